@@ -1,0 +1,176 @@
+"""Multi-head attention over the previous tokens with a per-head span (paper eqs. 1-3, §2.2).
+
+For a query at position t and a key at r (distance d = t - r, 1 <= d <= S), head scores are
+
+    s_tr = q_t . (k_r + p_d) / sqrt(d_head)          (eq. 1, one p shared by all heads)
+    a_tr = m_z(d) exp(s_tr) / sum_q m_z(t - q) exp(s_tq)   (eq. 2 with the soft mask)
+    y_t  = sum_r a_tr v_r                            (eq. 3)
+
+The softmax runs over the keys with d <= z + R (beyond, m_z and its gradient are 0); its weights
+are multiplied by m_z and renormalised, exactly eq. 2. Computation is truncated to what each head can see: heads are grouped by their
+key *window* ``ceil(z + R)`` (rounded up to ``span_bucket``), and each group projects and scores
+only the keys of its window (``truncation="head"``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .span import Span, soft_mask
+
+
+def skew(x: Tensor) -> Tensor:
+    """Shift row i of ``x[..., c, w]`` right by i: ``out[..., i, j] = x[..., i, j - i]``.
+
+    Entries with ``j - i`` outside [0, w) are 0. Output shape (..., c, w + c - 1).
+    """
+    c, w = x.shape[-2:]
+    flat = F.pad(x, (0, c)).flatten(-2)[..., : c * (w + c - 1)]
+    return flat.view(*x.shape[:-2], c, w + c - 1)
+
+
+def band_mask(
+    w: int, c: int, z: Tensor | None, ramp: int, n_chunks: int, device: torch.device
+) -> tuple[Tensor, Tensor | None]:
+    """Masks for chunks of ``c`` queries over windows of ``w + c - 1`` keys.
+
+    Query i of a chunk and window key j are at distance ``d = w + i - j``; only 1 <= d <= w is
+    attended. ``z`` is None (no soft mask) or broadcastable to (B, H, n_chunks * c). Returns an
+    additive bias (-inf outside the band and beyond d = z + R, where m_z and its gradient are 0)
+    and the soft mask m_z(d) (None when ``z`` is None).
+    """
+    i = torch.arange(c, device=device).view(c, 1)
+    j = torch.arange(w + c - 1, device=device).view(1, -1)
+    d = (w + i - j).float()
+    outside = (d < 1) | (d > w)
+    if z is None:
+        return torch.zeros_like(d).masked_fill(outside, -math.inf), None
+    if z.shape[-1] != 1:
+        z = F.pad(z, (0, n_chunks * c - z.shape[-1]))
+    z = z.unflatten(-1, (-1, c)).unsqueeze(-1) if z.shape[-1] != 1 else z[..., None, None]
+    d = d.to(z.dtype)
+    bias = torch.zeros_like(d).masked_fill(outside, -math.inf)
+    bias = bias.masked_fill(d > z.detach() + ramp, -math.inf)
+    return bias, soft_mask(d, z, ramp)
+
+
+def banded_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    z: Tensor | None,
+    ramp: int,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> Tensor:
+    """Attention of each query over the ``w`` keys just before it, with relative positions.
+
+    q: (B, H, M, dh) queries; k, v: (B, H, w + M, dh) keys/values, the last M aligned with the
+    queries (query t sits at key index w + t and attends to indices t .. t + w - 1);
+    pos: (w, dh) embeddings of distances 1..w. Queries are processed in chunks of ``c`` so the
+    cost is about M * (w + c) * dh instead of M * (w + M) * dh.
+    """
+    B, H, M, dh = q.shape
+    w = pos.shape[0]
+    c = min(M, max(16, w))
+    n = -(-M // c)
+    if n * c != M:
+        q = F.pad(q, (0, 0, 0, n * c - M))
+        k, v = (F.pad(t, (0, 0, 0, n * c - M)) for t in (k, v))
+    length = w + c - 1
+    k_win = k[:, :, : n * c + w - 1].unfold(2, length, c)  # (B, H, n, dh, L)
+    v_win = v[:, :, : n * c + w - 1].unfold(2, length, c)
+    q_chunks = q.unflatten(2, (n, c))  # (B, H, n, c, dh)
+    content = q_chunks @ k_win
+    position = skew((q_chunks @ pos.flip(0).t()))  # column k <-> distance w - k
+    scores = (content + position) * dh**-0.5
+    bias, mask = band_mask(w, c, z, ramp, n, q.device)
+    attn = torch.softmax(scores + bias.to(scores.dtype), dim=-1)
+    if mask is not None:  # eq. 2: numerators times m_z, renormalised
+        attn = attn * mask
+        attn = attn / attn.sum(dim=-1, keepdim=True)
+    attn = F.dropout(attn, dropout, training)
+    out = attn @ v_win.transpose(-1, -2)  # (B, H, n, c, dh)
+    return out.flatten(2, 3)[:, :, :M]
+
+
+def fit_cache(cache: Tensor, length: int) -> Tensor:
+    """The last ``length`` cached states; missing history is left-padded with zeros."""
+    have = cache.shape[1]
+    if have >= length:
+        return cache[:, have - length :]
+    return F.pad(cache, (0, 0, length - have, 0))
+
+
+class SpanAttention(nn.Module):
+    """Multi-head attention whose heads see at most their span of past tokens.
+
+    ``forward(x, cache)`` takes the block ``x`` (B, M, D) and the previous hidden states
+    ``cache`` (B, C, D) and returns the output and the new cache (what this layer's heads can
+    still see next block).
+    """
+
+    def __init__(self, config: ModelConfig, span: Span) -> None:
+        super().__init__()
+        d, self.n_heads, self.d_head = config.d_model, config.n_heads, config.d_head
+        self.max_span, self.ramp, self.bucket = config.max_span, config.ramp, config.span_bucket
+        self.truncation, self.dropout = config.truncation, config.dropout
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        for proj in (self.q, self.k, self.v, self.o):  # paper: U(-1/sqrt(d), 1/sqrt(d))
+            nn.init.uniform_(proj.weight, -(d**-0.5), d**-0.5)
+        self.pos = nn.Parameter(torch.randn(config.max_span, config.d_head))  # p_d, d = 1..S
+        self.span = span
+
+    def key_windows(self, z: Tensor | None) -> list[int]:
+        """Number of past keys each head reads, after truncation and bucketing."""
+        if self.truncation == "none":
+            return [self.max_span] * self.n_heads
+        windows = [min(self.max_span, -(-w // self.bucket) * self.bucket)
+                   for w in self.span.windows(z)]
+        if self.truncation == "layer":
+            return [max(windows)] * self.n_heads
+        return windows
+
+    def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+        B, M, _ = x.shape
+        z = self.span(x)
+        windows = self.key_windows(z)
+        longest = max(windows)
+        states = torch.cat([fit_cache(cache, longest).to(x), x], dim=1)  # (B, W + M, D)
+        q = self.q(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
+        outputs, order = [], []
+        for w, heads in _group(windows):
+            zg = None if z is None else z[:, heads]
+            outputs.append(self._attend(q[:, heads], states[:, longest - w :], heads, w, zg))
+            order += heads
+        out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+        if order != sorted(order):
+            out = out[:, torch.tensor(order, device=x.device).argsort()]
+        y = self.o(out.transpose(1, 2).reshape(B, M, -1))
+        return y, states[:, -longest:].detach()
+
+    def _attend(self, q: Tensor, states: Tensor, heads: list[int], w: int, z) -> Tensor:
+        """Attention of the heads ``heads`` over ``states`` (B, w + M, D)."""
+        k_weight, v_weight = self.k.weight, self.v.weight
+        if len(heads) != self.n_heads:
+            rows = torch.cat([torch.arange(h * self.d_head, (h + 1) * self.d_head)
+                              for h in heads]).to(states.device)
+            k_weight, v_weight = k_weight[rows], v_weight[rows]
+        B, T, _ = states.shape
+        k = F.linear(states, k_weight).view(B, T, len(heads), self.d_head).transpose(1, 2)
+        v = F.linear(states, v_weight).view(B, T, len(heads), self.d_head).transpose(1, 2)
+        return banded_attention(q, k, v, self.pos[:w], z, self.ramp, self.dropout, self.training)
+
+
+def _group(windows: list[int]) -> list[tuple[int, list[int]]]:
+    """Heads grouped by key window, longest window first."""
+    groups: dict[int, list[int]] = {}
+    for head, w in enumerate(windows):
+        groups.setdefault(w, []).append(head)
+    return sorted(groups.items(), reverse=True)

@@ -1,0 +1,79 @@
+"""Model configuration: one validated dataclass, defaults from the paper's small model."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+ATTENTIONS = ("fixed", "adaptive", "dynamic")
+TRUNCATIONS = ("head", "layer", "none")
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of :class:`adaspan.SpanLM` (paper defaults: small text8 model, §3).
+
+    ``attention`` picks the span type: ``fixed`` (every head sees ``max_span`` tokens),
+    ``adaptive`` (one learned span per head) or ``dynamic`` (span predicted per token).
+    ``truncation`` picks how computation follows the spans: ``head`` groups heads by span and
+    each group reads only the keys it can see; ``layer`` uses the longest head of the layer for
+    all heads; ``none`` always reads ``max_span`` keys (reference, slowest).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 512
+    n_heads: int = 8
+    n_layers: int = 12
+    d_inner: int = 2048
+    dropout: float = 0.3
+    attention: str = "adaptive"
+    max_span: int = 8192  # S
+    ramp: int = 32  # R, width of the soft mask's ramp
+    span_init: float = 0.0  # z' at initialisation (z = S * z')
+    span_loss_coef: float = 0.5e-6  # lambda (paper: 2e-6, 0.5e-6 when S = 8192)
+    dynamic_bias_init: float = -4.0  # b of the dynamic span
+    span_bucket: int = 64  # key windows are rounded up to a multiple of this
+    truncation: str = "head"
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "d_model", "n_heads", "n_layers", "d_inner", "max_span")
+        for name in positive:
+            _require(name, getattr(self, name), lambda v: isinstance(v, int) and v > 0,
+                     "a positive integer")
+        _require("d_model", self.d_model, lambda v: v % self.n_heads == 0,
+                 f"divisible by n_heads={self.n_heads}")
+        _require("ramp", self.ramp, lambda v: isinstance(v, int) and v >= 2,
+                 "an integer >= 2")
+        _require("span_bucket", self.span_bucket, lambda v: isinstance(v, int) and v >= 1,
+                 "a positive integer")
+        _require("dropout", self.dropout, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+        _require("span_init", self.span_init, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        _require("span_loss_coef", self.span_loss_coef, lambda v: v >= 0.0, ">= 0")
+        _require("attention", self.attention, lambda v: v in ATTENTIONS,
+                 f"one of {', '.join(ATTENTIONS)}")
+        _require("truncation", self.truncation, lambda v: v in TRUNCATIONS,
+                 f"one of {', '.join(TRUNCATIONS)}")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        """Build from a mapping, rejecting unknown keys with a clear error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model option(s): {', '.join(unknown)}")
+        return cls(**values)
+
+
+def _require(name: str, value: object, ok, what: str) -> None:
+    try:
+        valid = bool(ok(value))
+    except TypeError:
+        valid = False
+    if not valid:
+        raise ValueError(f"ModelConfig.{name} must be {what}, got {value!r}")

@@ -1,0 +1,125 @@
+"""SpanLM: a character-level Transformer language model with span-limited attention.
+
+Token embedding -> ``n_layers`` post-norm layers (span attention + ReLU feed-forward) -> output
+projection to log-probabilities. Each layer keeps a cache of the hidden states of the previous
+blocks (Transformer-XL style), trimmed to what its heads can still see, so a stream is processed
+block by block::
+
+    cache = model.empty_cache(batch_size)
+    for block in blocks:
+        log_probs, cache = model(block, cache)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import SpanAttention
+from .config import ModelConfig
+from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span
+
+Cache = list[Tensor]
+
+
+def build_span(config: ModelConfig) -> Span:
+    """The span module named by ``config.attention``."""
+    h, s, r = config.n_heads, config.max_span, config.ramp
+    builders = {
+        "fixed": lambda: FixedSpan(h, s, r),
+        "adaptive": lambda: AdaptiveSpan(h, s, r, init=config.span_init),
+        "dynamic": lambda: DynamicSpan(h, s, r, config.d_model, config.dynamic_bias_init),
+    }
+    return builders[config.attention]()
+
+
+class FeedForward(nn.Module):
+    """ReLU feed-forward with dropout on the ReLU activations (paper §3)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, config.d_inner)
+        self.fc2 = nn.Linear(config.d_inner, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.dropout(F.relu(self.fc1(x))))
+
+
+class Layer(nn.Module):
+    """Post-norm Transformer layer: h = LN(x + attn(x)); out = LN(h + ffn(h))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn = SpanAttention(config, build_span(config))
+        self.norm1 = nn.LayerNorm(config.d_model)
+        self.ff = FeedForward(config)
+        self.norm2 = nn.LayerNorm(config.d_model)
+
+    def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+        attended, cache = self.attn(x, cache)
+        h = self.norm1(x + attended)
+        return self.norm2(h + self.ff(h)), cache
+
+
+class SpanLM(nn.Module):
+    """Character-level language model of the paper (§2.1, §3)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        nn.init.normal_(self.embed.weight, 0.0, 1.0)  # paper: N(0, 1)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.n_layers))
+        self.out = nn.Linear(config.d_model, config.vocab_size)
+
+    def forward(self, tokens: Tensor, cache: Cache | None = None) -> tuple[Tensor, Cache]:
+        """Log-probabilities (B, M, V) of the next token at each position, and the new cache."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must have shape (batch, block), got {tuple(tokens.shape)}")
+        if cache is None:
+            cache = self.empty_cache(tokens.shape[0])
+        if len(cache) != len(self.layers):
+            raise ValueError(f"cache has {len(cache)} layers, model has {len(self.layers)}")
+        h = self.embed(tokens)
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            h, layer_cache = layer(h, layer_cache)
+            new_cache.append(layer_cache)
+        return F.log_softmax(self.out(h), dim=-1), new_cache
+
+    def empty_cache(self, batch_size: int) -> Cache:
+        """Cache for the start of a stream: no history (attended as zero hidden states)."""
+        weight = self.embed.weight
+        return [weight.new_zeros(batch_size, 0, self.config.d_model) for _ in self.layers]
+
+    def span_loss(self) -> Tensor:
+        """Span penalty lambda / M * sum_i z_i over all heads of all layers (paper §2.2)."""
+        terms = [t for layer in self.layers if (t := layer.attn.span.z_penalty()) is not None]
+        if not terms:
+            return self.embed.weight.new_zeros(())
+        return self.config.span_loss_coef / self.config.n_heads * torch.stack(terms).sum()
+
+    def spans(self) -> list[list[float]]:
+        """Span (``min(S, z + R)``, in tokens) of every head, per layer."""
+        return [layer.attn.span.spans().tolist() for layer in self.layers]
+
+    def set_spans(self, spans: Sequence[Sequence[float]] | Sequence[float]) -> None:
+        """Set spans per layer and head (a flat list of ``n_heads`` is used for every layer)."""
+        if spans and not isinstance(spans[0], Sequence | Tensor):
+            spans = [spans] * len(self.layers)
+        if len(spans) != len(self.layers):
+            raise ValueError(f"expected spans for {len(self.layers)} layers, got {len(spans)}")
+        for layer, layer_spans in zip(self.layers, spans, strict=True):
+            layer.attn.span.set_spans(torch.as_tensor(layer_spans, dtype=torch.float32))
+
+    def clamp_spans(self) -> None:
+        """Keep z' in [0, 1]: call after every optimiser step."""
+        for layer in self.layers:
+            layer.attn.span.clamp_()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

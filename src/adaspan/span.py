@@ -1,0 +1,155 @@
+"""Span masks: how far back each attention head looks (paper §2.2).
+
+A head's span is controlled by a real value ``z``; the soft mask
+
+    m_z(x) = clamp((R + z - x) / R, 0, 1)
+
+weights a key at distance ``x`` from the query: 1 up to ``z``, a linear ramp of width ``R`` after
+it, 0 from ``z + R`` on. Three span types share one interface:
+
+* :class:`FixedSpan`: every head sees the previous ``max_span`` tokens (no mask);
+* :class:`AdaptiveSpan`: one learnable ``z = S * z'`` per head, ``z'`` kept in [0, 1];
+* :class:`DynamicSpan`: ``z_t = S * sigmoid(v . x_t + b)`` per head and token.
+
+Throughout, the *span* of a head reported to users is ``min(S, z + R)``: the distance from which
+the mask is 0, the convention of the paper's Figure 4 (smallest possible span = R).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def soft_mask(distance: Tensor, z: Tensor | float, ramp: float) -> Tensor:
+    """The paper's soft mask m_z(x) = clamp((R + z - x) / R, 0, 1).
+
+    ``distance`` (x), ``z`` and the result broadcast together; gradients flow to ``z`` on the ramp.
+    """
+    return ((ramp + z - distance) / ramp).clamp(0.0, 1.0)
+
+
+class Span(nn.Module):
+    """Interface of a span module for ``n_heads`` heads with span limit ``max_span`` (S).
+
+    ``forward(x)`` returns ``z`` for the block ``x`` of shape (B, M, D): a tensor broadcastable
+    to (B, H, M), or ``None`` when the heads are unmasked (fixed span).
+    """
+
+    def __init__(self, n_heads: int, max_span: int, ramp: int) -> None:
+        super().__init__()
+        self.n_heads, self.max_span, self.ramp = n_heads, max_span, ramp
+
+    def forward(self, x: Tensor) -> Tensor | None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def windows(self, z: Tensor | None) -> list[int]:
+        """Keys each head can still see: ``min(S, ceil(max z + R))`` (beyond, the mask is 0)."""
+        if z is None:
+            return [self.max_span] * self.n_heads
+        z_max = z.detach().reshape(-1, self.n_heads, z.shape[-1]).amax(dim=(0, 2))
+        return [min(self.max_span, math.ceil(v + self.ramp)) for v in z_max.tolist()]
+
+    def z_penalty(self) -> Tensor | None:
+        """Sum over heads of z (for dynamic spans: z_t averaged over tokens); None if fixed."""
+        return None
+
+    def spans(self) -> Tensor:
+        """Current span of each head in tokens, ``min(S, z + R)`` (float tensor of size H)."""
+        return torch.full((self.n_heads,), float(self.max_span))
+
+    def set_spans(self, spans: Tensor) -> None:
+        """Set each head's span (in tokens, ``z + R``); the inverse of :meth:`spans`."""
+        raise ValueError(f"{type(self).__name__} has no learnable span to set")
+
+    def clamp_(self) -> None:
+        """Project parameters back onto their domain after an optimiser step."""
+
+    def _z_from_spans(self, spans: Tensor) -> Tensor:
+        spans = torch.as_tensor(spans, dtype=torch.float32).flatten()
+        if spans.numel() != self.n_heads:
+            raise ValueError(f"expected {self.n_heads} spans, got {spans.numel()}")
+        if (spans < 1).any() or (spans > self.max_span).any():
+            raise ValueError(f"spans must lie in [1, max_span={self.max_span}], got {spans}")
+        return (spans - self.ramp).clamp(min=0.0)
+
+
+class FixedSpan(Span):
+    """Every head attends to the previous ``max_span`` tokens with weight 1."""
+
+    def forward(self, x: Tensor) -> None:
+        return None
+
+
+class AdaptiveSpan(Span):
+    """One learnable span per head: ``z = S * z'`` with ``z'`` in [0, 1] (paper §2.2, §3)."""
+
+    def __init__(self, n_heads: int, max_span: int, ramp: int, init: float = 0.0) -> None:
+        super().__init__(n_heads, max_span, ramp)
+        self.z_frac = nn.Parameter(torch.full((n_heads,), float(init)))
+
+    def z(self) -> Tensor:
+        """Span parameter of each head in tokens (size H)."""
+        return self.max_span * self.z_frac.clamp(0.0, 1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.z().view(1, self.n_heads, 1)
+
+    def z_penalty(self) -> Tensor:
+        return self.z().sum()
+
+    def spans(self) -> Tensor:
+        return (self.z().detach().float().cpu() + self.ramp).clamp(max=self.max_span)
+
+    @torch.no_grad()
+    def set_spans(self, spans: Tensor) -> None:
+        z = self._z_from_spans(spans)
+        self.z_frac.copy_((z / self.max_span).to(self.z_frac))
+
+    @torch.no_grad()
+    def clamp_(self) -> None:
+        self.z_frac.clamp_(0.0, 1.0)
+
+
+class DynamicSpan(Span):
+    """Input-dependent span ``z_t = S * sigmoid(v . x_t + b)`` per head and token (paper §2.2).
+
+    ``b`` starts at ``bias_init`` (paper: -4) so that initial spans are short. The penalty uses
+    the spans of the most recent forward pass, averaged over the tokens of that pass.
+    """
+
+    def __init__(
+        self, n_heads: int, max_span: int, ramp: int, d_model: int, bias_init: float = -4.0
+    ) -> None:
+        super().__init__(n_heads, max_span, ramp)
+        self.v = nn.Parameter(torch.zeros(n_heads, d_model))
+        self.b = nn.Parameter(torch.full((n_heads,), float(bias_init)))
+        self._last_z: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.max_span * torch.sigmoid(x @ self.v.t() + self.b)  # (B, M, H)
+        z = z.transpose(1, 2)  # (B, H, M)
+        self._last_z = z
+        return z
+
+    def z_penalty(self) -> Tensor:
+        if self._last_z is None:
+            return self.max_span * torch.sigmoid(self.b).sum()
+        return self._last_z.mean(dim=(0, 2)).sum()
+
+    def spans(self) -> Tensor:
+        if self._last_z is None:
+            z = self.max_span * torch.sigmoid(self.b.detach())
+        else:
+            z = self._last_z.detach().mean(dim=(0, 2))
+        return (z.float().cpu() + self.ramp).clamp(max=self.max_span)
+
+    @torch.no_grad()
+    def set_spans(self, spans: Tensor) -> None:
+        """Make every token's span equal ``spans`` (sets v = 0 and b accordingly)."""
+        frac = (self._z_from_spans(spans) / self.max_span).clamp(1e-6, 1 - 1e-6)
+        self.v.zero_()
+        self.b.copy_(torch.logit(frac).to(self.b))
+        self._last_z = None

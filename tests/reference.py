@@ -1,0 +1,65 @@
+"""Deliberately simple references written from the paper's equations, for testing fast paths."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from adaspan.attention import SpanAttention
+from adaspan.span import AdaptiveSpan, DynamicSpan
+
+
+def reference_z(attn: SpanAttention, x: Tensor) -> Tensor | None:
+    """z of every (batch, head, token) straight from the span parameters, or None if fixed."""
+    span = attn.span
+    B, M, _ = x.shape
+    if isinstance(span, AdaptiveSpan):  # z = S z', z' in [0, 1]
+        z = span.max_span * span.z_frac.clamp(0, 1)
+        return z.view(1, -1, 1).expand(B, -1, M)
+    if isinstance(span, DynamicSpan):  # z_t = S sigmoid(v . x_t + b)
+        z = torch.empty(B, span.n_heads, M, dtype=x.dtype)
+        for b in range(B):
+            for h in range(span.n_heads):
+                for t in range(M):
+                    z[b, h, t] = span.max_span * torch.sigmoid(span.v[h] @ x[b, t] + span.b[h])
+        return z
+    return None
+
+
+def reference_attention(attn: SpanAttention, x: Tensor, cache: Tensor) -> Tensor:
+    """Output of ``attn`` for block ``x`` after history ``cache``, one query and head at a time.
+
+    Token t of the block attends to the S positions before it; positions before the start of
+    the history are zero hidden states. Eq. 1: s = q . (k_r + p_{t-r}) / sqrt(d_head);
+    eq. 2 with the mask: a = m exp(s) / sum m exp(s); eq. 3: y = sum a v_r; heads concatenated
+    and multiplied by W_o.
+    """
+    B, M, D = x.shape
+    H, dh, S, R = attn.n_heads, attn.d_head, attn.max_span, attn.ramp
+    history = torch.cat([cache, x], dim=1)
+    C = cache.shape[1]
+    z = reference_z(attn, x)
+    Wq, Wk, Wv, Wo = (p.weight for p in (attn.q, attn.k, attn.v, attn.o))
+    out = torch.zeros(B, M, D, dtype=x.dtype)
+    for b in range(B):
+        for t in range(M):
+            head_outputs = []
+            for h in range(H):
+                rows = slice(h * dh, (h + 1) * dh)
+                q = Wq[rows] @ x[b, t]
+                scores, values, masks = [], [], []
+                for d in range(1, S + 1):
+                    r = C + t - d
+                    x_r = history[b, r] if r >= 0 else torch.zeros(D, dtype=x.dtype)
+                    scores.append(q @ (Wk[rows] @ x_r + attn.pos[d - 1]) / math.sqrt(dh))
+                    values.append(Wv[rows] @ x_r)
+                    masks.append(1.0 if z is None else ((R + z[b, h, t] - d) / R).clamp(0, 1))
+                s = torch.stack(scores)
+                m = torch.stack([torch.as_tensor(v, dtype=x.dtype) for v in masks])
+                e = m * torch.exp(s - s.max())
+                a = e / e.sum()
+                head_outputs.append((a[:, None] * torch.stack(values)).sum(0))
+            out[b, t] = Wo @ torch.cat(head_outputs)
+    return out
