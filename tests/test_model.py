@@ -1,0 +1,190 @@
+"""SpanLM invariants: truncation, caching, span limits, causality, span penalty, config checks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from adaspan import ModelConfig, SpanLM
+
+KINDS = ("fixed", "adaptive", "dynamic")
+
+
+def tiny(kind: str = "adaptive", **kw) -> SpanLM:
+    options = dict(vocab_size=32, d_model=16, n_heads=4, n_layers=2, d_inner=32, max_span=64,
+                   ramp=8, dropout=0.0, attention=kind, span_bucket=8)
+    options.update(kw)
+    torch.manual_seed(0)
+    model = SpanLM(ModelConfig(**options))
+    if kind == "adaptive":
+        spans = [[10.0, 20.0, 40.0, 64.0], [8.0, 9.0, 33.0, 17.5]]
+        model.set_spans([s[: model.config.n_heads] for s in spans[: model.config.n_layers]])
+    if kind == "dynamic":
+        for layer in model.layers:
+            with torch.no_grad():
+                layer.attn.span.v.normal_(0, 0.3)
+                layer.attn.span.b.uniform_(-3, 0)
+    return model.eval()
+
+
+def run_blocks(model: SpanLM, tokens: torch.Tensor, block: int) -> torch.Tensor:
+    cache, outs = model.empty_cache(tokens.shape[0]), []
+    for start in range(0, tokens.shape[1], block):
+        out, cache = model(tokens[:, start : start + block], cache)
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("truncation", ["head", "layer"])
+def test_truncated_equals_untruncated_over_blocks(kind, truncation):
+    model = tiny(kind, truncation=truncation)
+    full = copy.deepcopy(model)
+    for layer in full.layers:
+        layer.attn.truncation = "none"
+    tokens = torch.randint(0, 32, (2, 100))
+    with torch.no_grad():
+        torch.testing.assert_close(run_blocks(model, tokens, 25), run_blocks(full, tokens, 25),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_by_block_equals_one_pass(kind):
+    model = tiny(kind)
+    tokens = torch.randint(0, 32, (3, 90))
+    with torch.no_grad():
+        torch.testing.assert_close(run_blocks(model, tokens, 30), run_blocks(model, tokens, 90),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(run_blocks(model, tokens, 1)[:, :20],
+                                   run_blocks(model, tokens, 90)[:, :20], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_causal(kind):
+    model = tiny(kind)
+    tokens = torch.randint(0, 32, (1, 40))
+    changed = tokens.clone()
+    changed[0, 25] = (changed[0, 25] + 1) % 32
+    with torch.no_grad():
+        a, b = model(tokens)[0], model(changed)[0]
+    assert torch.equal(a[:, :25], b[:, :25])
+    assert not torch.allclose(a[:, 25:], b[:, 25:])
+
+
+@pytest.mark.parametrize("z", [0.0, 5.0, 21.5])
+def test_one_layer_sees_exactly_its_span(z):
+    """A token z + R or more back does not change the output; one inside the span does."""
+    model = tiny("adaptive", n_layers=1, n_heads=2, max_span=64)
+    ramp = model.config.ramp
+    model.set_spans([[z + ramp, z + ramp]])
+    limit = int(torch.tensor(z + ramp).ceil())  # first distance with m_z = 0
+    t = 60
+    tokens = torch.randint(0, 32, (1, t + 1))
+    with torch.no_grad():
+        base = model(tokens)[0][0, t]
+        for distance in range(1, t + 1):
+            changed = tokens.clone()
+            changed[0, t - distance] = (changed[0, t - distance] + 7) % 32
+            moved = not torch.allclose(model(changed)[0][0, t], base, atol=1e-6)
+            assert moved == (distance < limit), distance
+
+
+def test_cache_reaches_into_previous_blocks():
+    model = tiny("fixed", n_layers=1)
+    tokens = torch.randint(0, 32, (1, 40))
+    changed = tokens.clone()
+    changed[0, 15] = (changed[0, 15] + 1) % 32
+    with torch.no_grad():
+        a, b = run_blocks(model, tokens, 20), run_blocks(model, changed, 20)
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_span_penalty_is_lambda_over_heads_times_sum_z():
+    model = tiny("adaptive", span_loss_coef=1e-3)
+    spans = [[10.0, 20.0, 40.0, 64.0], [8.0, 9.0, 33.0, 17.5]]
+    model.set_spans(spans)
+    z = [max(0.0, s - model.config.ramp) for layer in spans for s in layer]
+    expected = 1e-3 / model.config.n_heads * sum(z)
+    assert model.span_loss().item() == pytest.approx(expected, rel=1e-6)
+    assert model.spans() == [[max(s, 8.0) for s in layer] for layer in spans]
+
+
+def test_dynamic_span_penalty_averages_tokens():
+    model = tiny("dynamic", span_loss_coef=1.0)
+    tokens = torch.randint(0, 32, (2, 10))
+    model(tokens)
+    z_means = [layer.attn.span(layer_input).mean(dim=(0, 2)).sum()
+               for layer, layer_input in zip(model.layers, layer_inputs(model, tokens),
+                                             strict=True)]
+    expected = sum(z_means) / model.config.n_heads
+    assert model.span_loss().item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def layer_inputs(model: SpanLM, tokens: torch.Tensor) -> list[torch.Tensor]:
+    inputs, h = [], model.embed(tokens)
+    for layer in model.layers:
+        inputs.append(h)
+        h, _ = layer(h, torch.zeros(tokens.shape[0], 0, model.config.d_model))
+    return inputs
+
+
+def test_fixed_span_has_no_penalty_and_full_spans():
+    model = tiny("fixed")
+    assert model.span_loss().item() == 0.0
+    assert model.spans() == [[64.0] * 4] * 2
+    with pytest.raises(ValueError, match="no learnable span"):
+        model.set_spans([10.0] * 4)
+
+
+def test_clamp_spans_keeps_z_frac_in_unit_interval():
+    model = tiny("adaptive")
+    with torch.no_grad():
+        model.layers[0].attn.span.z_frac.copy_(torch.tensor([-0.5, 0.2, 1.7, 1.0]))
+    model.clamp_spans()
+    assert model.layers[0].attn.span.z_frac.tolist() == pytest.approx([0.0, 0.2, 1.0, 1.0])
+
+
+def test_initialisation_follows_the_paper():
+    model = SpanLM(ModelConfig(d_model=64, n_heads=4, n_layers=1, d_inner=128, max_span=2048))
+    attn = model.layers[0].attn
+    bound = 64**-0.5
+    for proj in (attn.q, attn.k, attn.v, attn.o):
+        assert proj.weight.abs().max() <= bound and proj.bias is None
+    assert attn.span.z_frac.tolist() == [0.0] * 4
+    assert model.embed.weight.std().item() == pytest.approx(1.0, abs=0.05)
+    assert attn.pos.std().item() == pytest.approx(1.0, abs=0.05)
+    assert attn.pos.shape == (2048, 16)  # one set of position embeddings for all heads
+
+
+def test_follows_module_dtype():
+    model = tiny("dynamic").double()
+    out, cache = model(torch.randint(0, 32, (1, 5)))
+    assert out.dtype == torch.float64 and cache[0].dtype == torch.float64
+    assert torch.allclose(out.exp().sum(-1), torch.ones(1, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("d_model", 30), ("n_heads", 0), ("ramp", 1), ("dropout", 1.0), ("attention", "sparse"),
+     ("max_span", -5), ("span_init", 2.0), ("truncation", "some"), ("vocab_size", 2.5)],
+)
+def test_invalid_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}"):
+        ModelConfig(**{field: value})
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown model option"):
+        ModelConfig.from_dict({"d_model": 64, "heads": 4})
+
+
+def test_bad_inputs_give_clear_errors():
+    model = tiny()
+    with pytest.raises(ValueError, match="shape"):
+        model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="layers"):
+        model(torch.zeros(1, 5, dtype=torch.long), cache=[])
+    with pytest.raises(ValueError, match="spans"):
+        model.set_spans([[1000.0] * 4] * 2)
