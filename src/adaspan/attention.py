@@ -7,9 +7,10 @@ For a query at position t and a key at r (distance d = t - r, 1 <= d <= S), head
     y_t  = sum_r a_tr v_r                            (eq. 3)
 
 The softmax runs over the keys with d <= z + R (beyond, m_z and its gradient are 0); its weights
-are multiplied by m_z and renormalised, exactly eq. 2. Computation is truncated to what each head can see: heads are grouped by their
-key *window* ``ceil(z + R)`` (rounded up to ``span_bucket``), and each group projects and scores
-only the keys of its window (``truncation="head"``).
+are multiplied by m_z and renormalised, exactly eq. 2. Computation is truncated to what each head
+can see: heads are grouped by their key *window* ``ceil(z + R)`` (rounded up to
+``span_bucket``), and each group projects and scores only the keys of its window
+(``truncation="head"``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def banded_attention(
     pos: (w, dh) embeddings of distances 1..w. Queries are processed in chunks of ``c`` so the
     cost is about M * (w + c) * dh instead of M * (w + M) * dh.
     """
-    B, H, M, dh = q.shape
+    M, dh = q.shape[-2:]
     w = pos.shape[0]
     c = min(M, max(16, w))
     n = -(-M // c)
@@ -88,7 +89,7 @@ def banded_attention(
     v_win = v[:, :, : n * c + w - 1].unfold(2, length, c)
     q_chunks = q.unflatten(2, (n, c))  # (B, H, n, c, dh)
     content = q_chunks @ k_win
-    position = skew((q_chunks @ pos.flip(0).t()))  # column k <-> distance w - k
+    position = skew(q_chunks @ pos.flip(0).t())  # column k <-> distance w - k
     scores = (content + position) * dh**-0.5
     bias, mask = band_mask(w, c, z, ramp, n, q.device)
     attn = torch.softmax(scores + bias.to(scores.dtype), dim=-1)
