@@ -8,7 +8,8 @@ from reference import reference_attention
 
 from adaspan import ModelConfig, soft_mask
 from adaspan.attention import SpanAttention, skew
-from adaspan.model import build_span
+from adaspan.config import ATTENTIONS
+from adaspan.model import ATTENTION_TYPES
 
 KINDS = ("fixed", "adaptive", "dynamic")
 
@@ -17,7 +18,7 @@ def make_attention(kind: str, truncation: str = "head", max_span: int = 48, **kw
     cfg = ModelConfig(d_model=16, n_heads=4, n_layers=1, d_inner=32, max_span=max_span, ramp=8,
                       dropout=0.0, attention=kind, truncation=truncation, span_bucket=8, **kw)
     torch.manual_seed(0)
-    attn = SpanAttention(cfg, build_span(cfg))
+    attn = ATTENTION_TYPES[kind](cfg)
     if kind == "adaptive":
         attn.span.set_spans(torch.tensor([8.0, 13.5, 30.0, 44.0]).clamp(max=max_span))
     if kind == "dynamic":
@@ -25,6 +26,10 @@ def make_attention(kind: str, truncation: str = "head", max_span: int = 48, **kw
             attn.span.v.normal_(0, 0.5)
             attn.span.b.copy_(torch.tensor([-3.0, -1.0, 0.0, 1.0]))
     return attn
+
+
+def test_every_configurable_attention_is_registered():
+    assert set(ATTENTION_TYPES) == set(ATTENTIONS)
 
 
 def test_soft_mask_matches_the_formula():
@@ -89,7 +94,7 @@ def test_gradients_match_reference(kind):
 
 def test_dynamic_span_initialised_short():
     cfg = ModelConfig(d_model=16, n_heads=2, n_layers=1, max_span=1024, attention="dynamic")
-    span = build_span(cfg)
+    span = ATTENTION_TYPES["dynamic"](cfg).span
     z = span(torch.randn(1, 5, 16))
     assert torch.allclose(z, torch.full_like(z, 1024 * torch.sigmoid(torch.tensor(-4.0))))
 

@@ -12,7 +12,7 @@ block by block::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +25,19 @@ from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span
 Cache = list[Tensor]
 
 
-def build_span(config: ModelConfig) -> Span:
-    """The span module named by ``config.attention``."""
-    h, s, r = config.n_heads, config.max_span, config.ramp
-    builders = {
-        "fixed": lambda: FixedSpan(h, s, r),
-        "adaptive": lambda: AdaptiveSpan(h, s, r, init=config.span_init),
-        "dynamic": lambda: DynamicSpan(h, s, r, config.d_model, config.dynamic_bias_init),
-    }
-    return builders[config.attention]()
+def _span_attention(span: Callable[[ModelConfig], Span]) -> Callable[[ModelConfig], nn.Module]:
+    return lambda c: SpanAttention(c, span(c))
+
+
+# Attention variants by ``ModelConfig.attention``: each maps a config to a module with
+# ``forward(x, cache) -> (y, new_cache)`` and a ``span`` (see :class:`adaspan.span.Span`).
+ATTENTION_TYPES: dict[str, Callable[[ModelConfig], nn.Module]] = {
+    "fixed": _span_attention(lambda c: FixedSpan(c.n_heads, c.max_span, c.ramp)),
+    "adaptive": _span_attention(
+        lambda c: AdaptiveSpan(c.n_heads, c.max_span, c.ramp, init=c.span_init)),
+    "dynamic": _span_attention(
+        lambda c: DynamicSpan(c.n_heads, c.max_span, c.ramp, c.d_model, c.dynamic_bias_init)),
+}
 
 
 class FeedForward(nn.Module):
@@ -54,7 +58,7 @@ class Layer(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.attn = SpanAttention(config, build_span(config))
+        self.attn = ATTENTION_TYPES[config.attention](config)
         self.norm1 = nn.LayerNorm(config.d_model)
         self.ff = FeedForward(config)
         self.norm2 = nn.LayerNorm(config.d_model)
