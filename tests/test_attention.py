@@ -75,7 +75,10 @@ def test_fast_path_matches_reference_at_several_spans(spans):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_match_reference(kind):
+    """Where the mask is differentiable (z + R not an integer), gradients equal the reference's."""
     attn = make_attention(kind).double()
+    if kind == "adaptive":
+        attn.span.set_spans(torch.tensor([8.25, 13.5, 30.7, 44.1]))
     x, cache = torch.randn(2, 6, 16, dtype=torch.float64), torch.randn(2, 20, 16,
                                                                        dtype=torch.float64)
     weights = torch.randn(2, 6, 16, dtype=torch.float64)
@@ -90,6 +93,14 @@ def test_gradients_match_reference(kind):
     assert (kind == "fixed") == (not span_params)
     for name in span_params:  # z (adaptive) and v, b (dynamic) receive gradient
         assert grads[0][name].abs().sum() > 0, name
+
+
+def test_span_gradient_at_initialisation_is_finite_and_nonzero():
+    attn = make_attention("adaptive")
+    attn.span.set_spans(torch.full((4,), 8.0))  # z = 0, the paper's initialisation
+    attn(torch.randn(2, 12, 16), torch.randn(2, 4, 16))[0].square().sum().backward()
+    grad = attn.span.z_frac.grad
+    assert torch.isfinite(grad).all() and (grad != 0).all()
 
 
 def test_dynamic_span_initialised_short():

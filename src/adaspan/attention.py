@@ -25,39 +25,30 @@ from .config import ModelConfig
 from .span import Span, soft_mask
 
 
-def skew(x: Tensor) -> Tensor:
+def skew(x: Tensor, fill: float = 0.0) -> Tensor:
     """Shift row i of ``x[..., c, w]`` right by i: ``out[..., i, j] = x[..., i, j - i]``.
 
-    Entries with ``j - i`` outside [0, w) are 0. Output shape (..., c, w + c - 1).
+    Entries with ``j - i`` outside [0, w) are ``fill``. Output shape (..., c, w + c - 1).
     """
     c, w = x.shape[-2:]
-    flat = F.pad(x, (0, c)).flatten(-2)[..., : c * (w + c - 1)]
+    flat = F.pad(x, (0, c), value=fill).flatten(-2)[..., : c * (w + c - 1)]
     return flat.view(*x.shape[:-2], c, w + c - 1)
 
 
-def band_mask(
-    w: int, c: int, z: Tensor | None, ramp: int, n_chunks: int, device: torch.device
-) -> tuple[Tensor, Tensor | None]:
-    """Masks for chunks of ``c`` queries over windows of ``w + c - 1`` keys.
+def log_soft_mask(distance: Tensor, z: Tensor, ramp: int) -> Tensor:
+    """``log m_z(distance)``, -inf where the mask is 0 (whose weight and gradient are then 0).
 
-    Query i of a chunk and window key j are at distance ``d = w + i - j``; only 1 <= d <= w is
-    attended. ``z`` is None (no soft mask) or broadcastable to (B, H, n_chunks * c). Returns an
-    additive bias (-inf outside the band and beyond d = z + R, where m_z and its gradient are 0)
-    and the soft mask m_z(d) (None when ``z`` is None).
+    At the kink m_z = 0 (distance exactly z + R) this is the derivative from below: a key of
+    zero weight contributes no gradient to z.
     """
-    i = torch.arange(c, device=device).view(c, 1)
-    j = torch.arange(w + c - 1, device=device).view(1, -1)
-    d = (w + i - j).float()
-    outside = (d < 1) | (d > w)
-    if z is None:
-        return torch.zeros_like(d).masked_fill(outside, -math.inf), None
-    if z.shape[-1] != 1:
-        z = F.pad(z, (0, n_chunks * c - z.shape[-1]))
-    z = z.unflatten(-1, (-1, c)).unsqueeze(-1) if z.shape[-1] != 1 else z[..., None, None]
-    d = d.to(z.dtype)
-    bias = torch.zeros_like(d).masked_fill(outside, -math.inf)
-    bias = bias.masked_fill(d > z.detach() + ramp, -math.inf)
-    return bias, soft_mask(d, z, ramp)
+    m = soft_mask(distance, z, ramp)
+    return torch.where(m > 0, torch.log(m.clamp_min(1e-30)), -math.inf)
+
+
+def chunk_size(block: int, window: int) -> int:
+    """Queries per chunk: small chunks waste fewer scores (each chunk reads ``window + c - 1``
+    keys), large chunks make larger matrix products."""
+    return min(block, max(32, min(256, window // 4)))
 
 
 def banded_attention(
@@ -73,31 +64,36 @@ def banded_attention(
     """Attention of each query over the ``w`` keys just before it, with relative positions.
 
     q: (B, H, M, dh) queries; k, v: (B, H, w + M, dh) keys/values, the last M aligned with the
-    queries (query t sits at key index w + t and attends to indices t .. t + w - 1);
-    pos: (w, dh) embeddings of distances 1..w. Queries are processed in chunks of ``c`` so the
-    cost is about M * (w + c) * dh instead of M * (w + M) * dh.
+    queries (query t sits at key index w + t and attends to indices t .. t + w - 1, distances
+    w .. 1); pos: (w, dh) embeddings of distances 1..w; z: None (no mask) or the span broadcastable
+    to (B, H, M). Queries are processed in chunks of ``c``, each over a window of ``w + c - 1``
+    keys, so the cost is about M * (w + c) * dh rather than M * (w + M) * dh.
     """
-    M, dh = q.shape[-2:]
+    B, H, M, dh = q.shape
     w = pos.shape[0]
-    c = min(M, max(16, w))
+    c = chunk_size(M, w)
     n = -(-M // c)
     if n * c != M:
         q = F.pad(q, (0, 0, 0, n * c - M))
         k, v = (F.pad(t, (0, 0, 0, n * c - M)) for t in (k, v))
+        z = z if z is None or z.shape[-1] == 1 else F.pad(z, (0, n * c - M))
+    q = (q * dh**-0.5).unflatten(2, (n, c))  # (B, H, n, c, dh)
+    if z is not None:  # per query: (B|1, H, n|1, c|1, 1)
+        z = z[..., None, None] if z.shape[-1] == 1 else z.unflatten(-1, (n, c))[..., None]
+    # Position scores q . p_d in "distance layout": column k holds distance d = w - k.
+    position = q @ pos.flip(0).t()  # (B, H, n, c, w)
+    if z is not None:  # eq. 2: m_z(d) exp(s) = exp(s + log m_z(d)); m_z = 0 -> -inf
+        distance = torch.arange(w, 0, -1, device=q.device, dtype=z.dtype)
+        position = position + log_soft_mask(distance, z, ramp)
+    # Skewed into "key layout" (column j = key t0 + j); -inf fill = outside the band 1 <= d <= w.
+    scores = skew(position, fill=-math.inf).flatten(0, 2)
     length = w + c - 1
-    k_win = k[:, :, : n * c + w - 1].unfold(2, length, c)  # (B, H, n, dh, L)
-    v_win = v[:, :, : n * c + w - 1].unfold(2, length, c)
-    q_chunks = q.unflatten(2, (n, c))  # (B, H, n, c, dh)
-    content = q_chunks @ k_win
-    position = skew(q_chunks @ pos.flip(0).t())  # column k <-> distance w - k
-    scores = (content + position) * dh**-0.5
-    bias, mask = band_mask(w, c, z, ramp, n, q.device)
-    attn = torch.softmax(scores + bias.to(scores.dtype), dim=-1)
-    if mask is not None:  # eq. 2: numerators times m_z, renormalised
-        attn = attn * mask
-        attn = attn / attn.sum(dim=-1, keepdim=True)
+    k_win = k.unfold(2, length, c)[:, :, :n].flatten(0, 2)  # (B*H*n, dh, L)
+    scores = torch.baddbmm(scores, q.flatten(0, 2), k_win)  # eq. 1: q . (k_r + p_{t-r})
+    attn = torch.softmax(scores, dim=-1).view(B, H, n, c, length)
     attn = F.dropout(attn, dropout, training)
-    out = attn @ v_win.transpose(-1, -2)  # (B, H, n, c, dh)
+    v_win = v.unfold(2, length, c)[:, :, :n]  # (B, H, n, dh, L)
+    out = attn @ v_win.transpose(-1, -2)  # eq. 3, (B, H, n, c, dh)
     return out.flatten(2, 3)[:, :, :M]
 
 
