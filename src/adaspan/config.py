@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-ATTENTIONS = ("fixed", "adaptive", "dynamic")
+ATTENTIONS = ("fixed", "adaptive", "dynamic", "vanilla", "xl", "factorized")
 TRUNCATIONS = ("head", "layer", "none")
 
 
@@ -13,7 +13,10 @@ class ModelConfig:
     """Hyper-parameters of :class:`adaspan.SpanLM` (paper defaults: small text8 model, §3).
 
     ``attention`` picks the span type: ``fixed`` (every head sees ``max_span`` tokens),
-    ``adaptive`` (one learned span per head) or ``dynamic`` (span predicted per token).
+    ``adaptive`` (one learned span per head) or ``dynamic`` (span predicted per token); the
+    baselines of :mod:`adaspan.baselines` are ``vanilla`` (fixed span inside the block, no cache),
+    ``xl`` (Transformer-XL) and ``factorized`` (Sparse Transformer "fixed" pattern with stride
+    ``factorized_stride`` and ``factorized_c`` summary positions).
     ``truncation`` picks how computation follows the spans: ``head`` groups heads by span and
     each group reads only the keys it can see; ``layer`` uses the longest head of the layer for
     all heads; ``none`` always reads ``max_span`` keys (reference, slowest).
@@ -33,6 +36,8 @@ class ModelConfig:
     dynamic_bias_init: float = -4.0  # b of the dynamic span
     span_bucket: int = 64  # key windows are rounded up to a multiple of this
     truncation: str = "head"
+    factorized_stride: int = 128  # l of the Sparse Transformer "fixed" pattern
+    factorized_c: int = 8  # c: summary positions per stride block (per A(2) head)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "d_model", "n_heads", "n_layers", "d_inner", "max_span")
@@ -52,6 +57,15 @@ class ModelConfig:
                  f"one of {', '.join(ATTENTIONS)}")
         _require("truncation", self.truncation, lambda v: v in TRUNCATIONS,
                  f"one of {', '.join(TRUNCATIONS)}")
+        _require("factorized_stride", self.factorized_stride,
+                 lambda v: isinstance(v, int) and v > 0, "a positive integer")
+        _require("factorized_c", self.factorized_c,
+                 lambda v: isinstance(v, int) and 0 < v <= self.factorized_stride,
+                 f"an integer in [1, factorized_stride={self.factorized_stride}]")
+        if self.attention == "factorized":  # both head types, and A(1) blocks inside the window
+            _require("n_heads", self.n_heads, lambda v: v >= 2, ">= 2 for factorized attention")
+            _require("max_span", self.max_span, lambda v: v >= self.factorized_stride,
+                     f">= factorized_stride={self.factorized_stride} for factorized attention")
 
     @property
     def d_head(self) -> int:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import SpanAttention
+from .baselines import FactorizedAttention, VanillaAttention, XLAttention
 from .config import ModelConfig
 from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span
 
@@ -37,6 +38,9 @@ ATTENTION_TYPES: dict[str, Callable[[ModelConfig], nn.Module]] = {
         lambda c: AdaptiveSpan(c.n_heads, c.max_span, c.ramp, init=c.span_init)),
     "dynamic": _span_attention(
         lambda c: DynamicSpan(c.n_heads, c.max_span, c.ramp, c.d_model, c.dynamic_bias_init)),
+    "vanilla": VanillaAttention,
+    "xl": XLAttention,
+    "factorized": FactorizedAttention,
 }
 
 
