@@ -16,6 +16,19 @@ def span_summary(spans: list[list[float]]) -> dict:
     }
 
 
+def forward_flops_per_char(model) -> float:
+    """FLOPs (2 per multiply-add) of one forward step per character, attention following spans.
+
+    Per layer: the four d x d projections and the feed-forward; per head, q.k, q.p and the
+    weighted sum of values over its span (``6 * d_head * span``); then the output layer. Like the
+    paper's FLOPS column, a head costs in proportion to the span it uses, not the limit S.
+    """
+    cfg = model.config
+    dense = 2 * (4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.d_inner)
+    attention = sum(6 * cfg.d_head * span for layer in model.spans() for span in layer)
+    return cfg.n_layers * dense + attention + 2 * cfg.d_model * cfg.vocab_size
+
+
 def span_table(spans: list[list[float]]) -> str:
     """Spans of every head as a text table, one row per layer (layer 0 = lowest)."""
     n_heads = max(len(layer) for layer in spans)

@@ -1,0 +1,25 @@
+# Quick start: `make demo` (set up, train on the bundled corpus, report) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install demo test lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $@
+
+demo: install
+	$(BIN)/adaspan demo
+
+test: install
+	$(BIN)/python -m pytest -n 2 tests
+
+lint: install
+	$(BIN)/ruff check src tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

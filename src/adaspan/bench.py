@@ -1,0 +1,153 @@
+"""Throughput and memory of a configuration: train, eval and generation chars/s, FLOPs.
+
+Protocol (the same for every configuration): one warm-up step, then ``steps`` timed steps with
+the cache carried from step to step; the median is reported.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from .analysis import forward_flops_per_char
+from .config import ModelConfig
+from .model import SpanLM
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 5, device: torch.device | None = None) -> float:
+    """This machine's fp32 matrix-multiply rate: median over ``repeats`` square products."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    seconds = _median_time(lambda: a @ b, repeats, device)
+    return 2 * size**3 / seconds / 1e9
+
+
+def _median_time(step: Callable[[], object], repeats: int, device: torch.device | None) -> float:
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build_bench_model(config: ModelConfig, spans: str | None, device: torch.device) -> SpanLM:
+    """The model to measure: ``spans`` is None (as initialised), "fixed" (fixed span S), or
+    comma-separated spans cycled over the heads of every layer."""
+    if spans == "fixed":
+        config = replace(config, attention="fixed")
+    torch.manual_seed(0)
+    model = SpanLM(config).to(device)
+    if spans not in (None, "fixed"):
+        values = [float(s) for s in spans.split(",")]
+        model.set_spans([values[h % len(values)] for h in range(config.n_heads)])
+    return model
+
+
+def bench(
+    config: ModelConfig,
+    batch_size: int = 8,
+    block_size: int = 256,
+    spans: str | None = None,
+    steps: int = 5,
+    gen_chars: int = 64,
+    device: torch.device | None = None,
+    dtype: str = "float32",
+) -> dict:
+    """Measure ``config`` (see the module docstring); returns a flat dict of figures."""
+    device = device or torch.device("cpu")
+    model = build_bench_model(config, spans, device)
+    chars = batch_size * block_size
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    train_s = _time_train(model, batch_size, block_size, steps, device, autocast)
+    eval_s = _time_eval(model, batch_size, block_size, steps, device, autocast)
+    gen_s = _time_generation(model, block_size, gen_chars, device)
+    flops = forward_flops_per_char(model)
+    train_cps, eval_cps = chars / train_s, chars / eval_s
+    return {
+        "attention": model.config.attention,
+        "max_span": config.max_span,
+        "spans": spans or "init",
+        "avg_span": sum(map(sum, model.spans())) / (config.n_layers * config.n_heads),
+        "batch_size": batch_size,
+        "block_size": block_size,
+        "dtype": dtype,
+        "device": str(device),
+        "parameters": model.num_parameters(),
+        "train_chars_per_s": train_cps,
+        "eval_chars_per_s": eval_cps,
+        "generate_chars_per_s": 1.0 / gen_s,
+        "flops_per_char": flops,
+        "train_gflops": 3 * flops * train_cps / 1e9,
+        "eval_gflops": flops * eval_cps / 1e9,
+        "peak_memory_mb": _peak_memory_mb(device),
+        "matmul_gflops": matmul_gflops(device=device),
+    }
+
+
+def _time_train(model, batch_size, block_size, steps, device, autocast) -> float:
+    model.train()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-9)  # the paper's optimiser
+    cache = [model.empty_cache(batch_size)]
+
+    def step() -> None:
+        tokens = torch.randint(0, model.config.vocab_size, (batch_size, block_size + 1),
+                               device=device)
+        with autocast:
+            log_probs, cache[0] = model(tokens[:, :-1], cache[0])
+            nll = -log_probs.gather(-1, tokens[:, 1:, None]).mean()
+            loss = nll + model.span_loss()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        model.clamp_spans()
+
+    return _median_time(step, steps, device)
+
+
+@torch.no_grad()
+def _time_eval(model, batch_size, block_size, steps, device, autocast) -> float:
+    model.eval()
+    cache = [model.empty_cache(batch_size)]
+
+    def step() -> None:
+        tokens = torch.randint(0, model.config.vocab_size, (batch_size, block_size),
+                               device=device)
+        with autocast:
+            _, cache[0] = model(tokens, cache[0])
+
+    return _median_time(step, steps, device)
+
+
+@torch.no_grad()
+def _time_generation(model, block_size, gen_chars, device) -> float:
+    """Seconds per generated character (batch 1, the cache filled by a first block)."""
+    model.eval()
+    vocab = model.config.vocab_size
+    _, cache = model(torch.randint(0, vocab, (1, block_size), device=device))
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    model(token, cache)  # warm-up
+    start = time.perf_counter()
+    for _ in range(gen_chars):
+        log_probs, cache = model(token, cache)
+        token = log_probs[:, -1:].argmax(-1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / gen_chars
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    """Peak CUDA memory allocated, or the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10

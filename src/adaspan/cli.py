@@ -1,0 +1,409 @@
+"""The ``adaspan`` command line: train, evaluate, generate, inspect, download, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import torch
+
+from . import __version__
+
+# One line of help per option: what it does and the paper's value (paper §3 unless stated).
+OPTION_HELP: dict[str, str] = {
+    # model
+    "vocab_size": "size of the byte vocabulary (256: every corpus is read as bytes)",
+    "d_model": "hidden size d (paper: 512 small, 768 large)",
+    "n_heads": "attention heads per layer M (paper: 8)",
+    "n_layers": "number of layers (paper: 12 small, 24 large)",
+    "d_inner": "feed-forward ReLU width (paper: 2048 small, 4096 large)",
+    "dropout": "dropout on attention weights and ReLU activations (paper: 0.3 small, 0.4 large)",
+    "attention": "fixed | adaptive | dynamic | vanilla | xl | factorized (paper: adaptive)",
+    "max_span": "span limit S, in tokens (paper: 512 to 8192)",
+    "ramp": "width R of the soft mask's ramp (paper: 32)",
+    "span_init": "initial z' of adaptive spans, z = S z' (paper: 0)",
+    "span_loss_coef": "lambda of the span penalty lambda/M sum z (paper: 2e-6; 0.5e-6 at S=8192)",
+    "dynamic_bias_init": "initial bias b of dynamic spans z_t = S sigmoid(v.x_t + b) (paper: -4)",
+    "span_bucket": "key windows are rounded up to a multiple of this (adaspan: 64)",
+    "truncation": "head (per-head key windows) | layer (longest head of the layer) | none",
+    "factorized_stride": "stride l of the factorized (Sparse Transformer) pattern (seed: 128, 256)",
+    "factorized_c": "summary positions c per stride of the factorized pattern (seed: 8, 16, 32)",
+    # train
+    "data": "corpus: kjv (bundled, default) | enwik8 | text8 | a text file or directory",
+    "data_dir": "where enwik8/text8 are cached (default: $ADASPAN_DATA or ~/.cache/adaspan)",
+    "batch_size": "parallel streams per step (paper: 64)",
+    "block_size": "characters per stream per step (paper: 512)",
+    "steps": "optimiser steps (paper: 600k; 900k at S=8192)",
+    "optimizer": "adagrad | adamw (paper: adagrad)",
+    "lr": "learning rate after warm-up (paper: 0.07)",
+    "warmup": "steps of linear warm-up from 0 (paper: 32k)",
+    "clip": "gradient clipping, max global norm; 0 = off (paper: 0.03)",
+    "weight_decay": "AdamW weight decay (paper: none)",
+    "lr_drop_steps": "final steps run at lr * lr_drop_factor (paper, large models: 20k)",
+    "lr_drop_factor": "learning-rate factor for the final steps (paper: 0.1)",
+    "batch_split": "process the batch in this many slices (same update, less memory)",
+    "seed": "random seed",
+    "device": "auto | cpu | cuda | cuda:N (auto: CUDA when available)",
+    "dtype": "float32 | bfloat16 (autocast)",
+    "eval_interval": "steps between validations",
+    "eval_chars": "characters of the valid split read by each validation",
+    "log_interval": "steps between log lines and metrics records",
+    "checkpoint_interval": "steps between checkpoints",
+    "time_budget": "stop cleanly (with a checkpoint) after this many seconds",
+    "tensorboard": "also write TensorBoard logs under RUN_DIR/tb (true | false)",
+}
+
+
+class CLIError(Exception):
+    """A user error reported as one line, without a traceback."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [e for e in extra if "=" in e and not e.startswith("-")]
+    if len(overrides) != len(extra) or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:  # KEY=VALUE given after options
+        args.overrides = list(args.overrides) + overrides
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args) or 0
+    except KeyboardInterrupt:
+        print("\nadaspan: interrupted", file=sys.stderr)
+        return 130
+    except (CLIError, ValueError, FileNotFoundError, *_user_errors()) as err:
+        print(f"adaspan: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from .checkpoint import RunDirError
+    from .data import DataError
+
+    return (DataError, RunDirError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaspan",
+        description="Character-level language models whose attention heads learn their span.",
+    )
+    parser.add_argument("--version", action="version", version=f"adaspan {__version__}")
+    commands = parser.add_subparsers(metavar="COMMAND")
+    for add in (_add_train, _add_evaluate, _add_generate, _add_inspect, _add_bench,
+                _add_download, _add_presets, _add_demo):
+        add(commands)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------- train
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    from .config import ModelConfig
+    from .train import TrainConfig
+
+    for section, cls in (("model", ModelConfig), ("train", TrainConfig)):
+        group = parser.add_argument_group(f"{section} options (override preset and file)")
+        for field in fields(cls):
+            default = "" if field.default is MISSING else f" [default: {field.default}]"
+            group.add_argument(f"--{field.name.replace('_', '-')}", dest=f"{section}.{field.name}",
+                               metavar="X", default=None,
+                               help=OPTION_HELP.get(field.name, "") + default)
+
+
+def _add_train(commands) -> None:
+    p = commands.add_parser(
+        "train", help="train a model",
+        description="Train a model. Options apply in order: defaults (the paper's small model) "
+        "< --preset < --config FILE < the options below < KEY=VALUE overrides.",
+    )
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="override any option, e.g. lr=0.01 or model.max_span=1024")
+    p.add_argument("--preset", help="named configuration (see `adaspan presets`)")
+    p.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
+    p.add_argument("--run-dir", type=Path, help="where to write the run (default: runs/NAME-TIME)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR exactly where it stopped")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_config_options(p)
+    p.set_defaults(run=_train)
+
+
+def _config_overrides(args: argparse.Namespace) -> list[str]:
+    flags = [f"{key}={value}" for key, value in vars(args).items()
+             if "." in key and value is not None]
+    return flags + list(args.overrides)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .presets import resolve_config
+    from .train import load_run_config, train
+
+    overrides = _config_overrides(args)
+    if args.resume:
+        if args.preset or args.config:
+            raise CLIError("--resume continues a run with its saved configuration: "
+                           "drop --preset/--config (KEY=VALUE overrides such as steps=... work)")
+        model_config, train_config = resolve_config(
+            base=load_run_config(args.resume), overrides=overrides)
+        run_dir = args.resume
+    else:
+        model_config, train_config = resolve_config(args.preset, args.config, overrides)
+        run_dir = args.run_dir or _new_run_dir(args.preset or "run")
+    summary = train(model_config, train_config, run_dir, resume=bool(args.resume),
+                    progress=not args.no_progress)
+    print(json.dumps(_rounded(summary)))
+    return 0
+
+
+# ------------------------------------------------------------------------------------- evaluate
+
+
+def _add_evaluate(commands) -> None:
+    p = commands.add_parser("evaluate", help="bits per character of a trained model on a split")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("--data", help="corpus (default: the one the run was trained on)")
+    p.add_argument("--data-dir", help="cache directory for enwik8/text8")
+    p.add_argument("--split", choices=("train", "valid", "test"), default="valid")
+    p.add_argument("--batch-size", type=int, default=8, help="parallel streams (paper: 8)")
+    p.add_argument("--block-size", type=int, help="characters per block (default: the run's)")
+    p.add_argument("--max-chars", type=int, help="only the first blocks holding this many chars")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_evaluate)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from .checkpoint import load_model, read_config
+    from .data import load_corpus
+    from .evaluate import evaluate
+
+    saved = read_config(args.run_dir)
+    model = load_model(args.run_dir, _device(args.device))
+    corpus = load_corpus(args.data or saved["train"]["data"], args.data_dir or
+                         saved["train"].get("data_dir"), progress=not args.no_progress)
+    result = evaluate(model, corpus.split(args.split), batch_size=args.batch_size,
+                      block_size=args.block_size or saved["train"]["block_size"],
+                      progress=not args.no_progress, max_chars=args.max_chars)
+    result = {**result, "split": args.split, "data": corpus.name}
+    if args.json:
+        print(json.dumps(_rounded(result)))
+    else:
+        print(f"{corpus.name} {args.split}: {result['bpc']:.4f} bpc over {result['chars']:,} "
+              "characters")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- generate
+
+
+def _add_generate(commands) -> None:
+    p = commands.add_parser("generate", help="sample text from a trained model")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--length", type=int, default=500, help="bytes to generate")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(run=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .checkpoint import load_model
+    from .generate import generate
+
+    model = load_model(args.run_dir, _device(args.device))
+    text = generate(model, args.prompt.encode(), args.length, args.temperature, args.top_k,
+                    torch.Generator().manual_seed(args.seed))
+    print(args.prompt + text.decode("utf-8", errors="replace"))
+    return 0
+
+
+# -------------------------------------------------------------------------------------- inspect
+
+
+def _add_inspect(commands) -> None:
+    p = commands.add_parser("inspect", help="learned spans, training curves and plots of a run")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("--plot", type=Path, metavar="DIR",
+                   help="write spans.png and curves.png into DIR (e.g. the run directory)")
+    p.add_argument("--json", action="store_true", help="print spans and summary as JSON")
+    p.set_defaults(run=_inspect)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .analysis import plot_curves, plot_spans, read_metrics, span_summary, span_table
+    from .checkpoint import load_model
+
+    model = load_model(args.run_dir)
+    spans = model.spans()
+    metrics_file = args.run_dir / "metrics.jsonl"
+    events = read_metrics(metrics_file) if metrics_file.exists() else []
+    if args.json:
+        print(json.dumps({"spans": spans, **_rounded(span_summary(spans)),
+                          "parameters": model.num_parameters()}))
+    else:
+        cfg = model.config
+        print(f"{args.run_dir}: {cfg.attention} attention, {cfg.n_layers} layers x "
+              f"{cfg.n_heads} heads, S={cfg.max_span}, {model.num_parameters():,} parameters")
+        print(span_table(spans))
+        for event in events[-1:]:
+            print("last record: " + ", ".join(f"{k}={v}" for k, v in event.items()))
+    if args.plot:
+        for path in (plot_spans(spans, args.plot / "spans.png", model.config.max_span),
+                     plot_curves(events, args.plot / "curves.png")):
+            print(f"wrote {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- bench
+
+
+def _add_bench(commands) -> None:
+    p = commands.add_parser(
+        "bench", help="measure train/eval/generation speed, FLOPs and memory of a configuration",
+        description="One warm-up step, then --steps timed steps with the cache carried; medians.")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="model options")
+    p.add_argument("--preset", help="take the model of this preset")
+    p.add_argument("--config", type=Path, help="TOML file with a [model] table")
+    p.add_argument("--spans", help="'fixed', or spans cycled over the heads, e.g. 32,64,128,1024")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
+    p.add_argument("--gen-chars", type=int, default=64, help="characters generated for timing")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import bench
+    from .presets import resolve_config
+
+    model_config, _ = resolve_config(args.preset, args.config, args.overrides)
+    result = bench(model_config, args.batch_size, args.block_size, args.spans, args.steps,
+                   args.gen_chars, _device(args.device), args.dtype)
+    if args.json:
+        print(json.dumps(_rounded(result)))
+    else:
+        for key, value in result.items():
+            print(f"{key:>22}: {value:,.1f}" if isinstance(value, float) else f"{key:>22}: {value}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- download
+
+
+def _add_download(commands) -> None:
+    p = commands.add_parser("download", help="download and verify enwik8 or text8")
+    p.add_argument("name", choices=("enwik8", "text8"))
+    p.add_argument("--data-dir", help=OPTION_HELP["data_dir"])
+    p.set_defaults(run=_download)
+
+
+def _download(args: argparse.Namespace) -> int:
+    from .data import download_benchmark
+
+    print(download_benchmark(args.name, args.data_dir))
+    return 0
+
+
+# -------------------------------------------------------------------------------------- presets
+
+
+def _add_presets(commands) -> None:
+    p = commands.add_parser("presets", help="list the named configurations")
+    p.add_argument("name", nargs="?", help="show this preset's options")
+    p.set_defaults(run=_presets)
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from .presets import PRESETS
+
+    if args.name:
+        if args.name not in PRESETS:
+            raise CLIError(f"unknown preset {args.name!r}; available: {', '.join(PRESETS)}")
+        print(json.dumps(PRESETS[args.name], indent=2))
+        return 0
+    width = max(map(len, PRESETS))
+    for name, preset in PRESETS.items():
+        print(f"{name:<{width}}  {preset['description']}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- demo
+
+
+def _add_demo(commands) -> None:
+    p = commands.add_parser(
+        "demo", help="train a small model on the bundled corpus for a few minutes, then report")
+    p.add_argument("--minutes", type=float, default=4.0, help="training time budget")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="where to write the run (default: runs/demo-TIME)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .analysis import span_table
+    from .checkpoint import load_model
+    from .data import load_corpus
+    from .evaluate import evaluate
+    from .generate import generate
+    from .presets import resolve_config
+    from .train import train
+
+    run_dir = args.run_dir or _new_run_dir("demo")
+    model_config, train_config = resolve_config(
+        "demo", overrides=[f"time_budget={args.minutes * 60}"])
+    _say(f"training the demo model for up to {args.minutes:g} minutes in {run_dir}")
+    train(model_config, train_config, run_dir, progress=not args.no_progress)
+    model = load_model(run_dir)
+    corpus = load_corpus(train_config.data)
+    result = evaluate(model, corpus.valid, batch_size=8, block_size=train_config.block_size,
+                      progress=not args.no_progress)
+    _say(f"validation: {result['bpc']:.3f} bits per character over {result['chars']:,} "
+         f"characters (uniform over bytes: 8 bits)")
+    _say("learned span of every head (tokens):\n" + span_table(model.spans()))
+    sample = generate(model, b"And God said", 300, temperature=0.8,
+                      generator=torch.Generator().manual_seed(0))
+    _say("sample:\nAnd God said" + sample.decode("utf-8", errors="replace"))
+    _say(f"run saved in {run_dir}: try `adaspan inspect {run_dir} --plot {run_dir}`")
+    return 0
+
+
+# -------------------------------------------------------------------------------------- helpers
+
+
+def _new_run_dir(name: str) -> Path:
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _device(name: str) -> torch.device:
+    from .train import resolve_device
+
+    return resolve_device(name)
+
+
+def _rounded(values: dict) -> dict:
+    """Floats rounded to 6 digits, for JSON output."""
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

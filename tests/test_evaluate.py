@@ -1,0 +1,86 @@
+"""Bits per character: evaluate() against direct computations."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from adaspan import ModelConfig, SpanLM
+from adaspan.data import encode
+from adaspan.evaluate import evaluate
+
+CONFIG = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
+                     span_bucket=8, dropout=0.3)
+TEXT = encode("In the beginning God created the heaven and the earth. " * 4)  # 220 bytes
+
+
+def random_model(seed: int = 0) -> SpanLM:
+    torch.manual_seed(seed)
+    model = SpanLM(CONFIG)
+    model.set_spans([20.0, 45.0])  # heads see 20 and 45 tokens: more than a block of 16
+    return model
+
+
+def test_forced_distribution_gives_its_cross_entropy():
+    model = random_model()
+    logits = torch.linspace(-3.0, 3.0, 256)
+    with torch.no_grad():
+        model.out.weight.zero_()
+        model.out.bias.copy_(logits)
+    log_p = torch.log_softmax(logits.double(), dim=0).numpy()
+    batch_size = 3
+    n = (len(TEXT) - 1) // batch_size  # each of the 3 streams predicts n characters
+    targets = TEXT[1 : batch_size * n + 1]
+    expected = -log_p[targets].sum() / len(targets) / math.log(2)
+    result = evaluate(model, TEXT, batch_size=batch_size, block_size=16)  # last block partial
+    assert result["chars"] == len(targets)
+    assert result["bpc"] == pytest.approx(expected, rel=1e-6)
+    assert result["loss"] == pytest.approx(expected * math.log(2), rel=1e-6)
+
+
+def direct_bpc(model: SpanLM, tokens: np.ndarray) -> float:
+    """Bits per character of one forward pass over the whole sequence (eval mode)."""
+    x = torch.from_numpy(tokens[:-1].astype(np.int64))[None]
+    y = torch.from_numpy(tokens[1:].astype(np.int64))
+    model.eval()
+    with torch.no_grad():
+        log_probs, _ = model(x)
+    return -log_probs[0].gather(1, y[:, None]).double().mean().item() / math.log(2)
+
+
+def test_one_block_equals_a_full_sequence_pass_and_small_blocks_carry_the_cache():
+    model = random_model()
+    expected = direct_bpc(model, TEXT)
+    whole = evaluate(model, TEXT, batch_size=1, block_size=len(TEXT))
+    blocks = evaluate(model, TEXT, batch_size=1, block_size=16)  # 14 blocks, spans up to 45
+    assert whole["chars"] == blocks["chars"] == len(TEXT) - 1
+    assert whole["bpc"] == pytest.approx(expected, rel=1e-6)
+    assert blocks["bpc"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_max_chars_evaluates_the_first_blocks():
+    model = random_model()
+    first = evaluate(model, TEXT, batch_size=1, block_size=16, max_chars=40)  # 3 blocks
+    assert first["chars"] == 48
+    assert first["bpc"] == pytest.approx(direct_bpc(model, TEXT[:49]), rel=1e-5)
+    everything = evaluate(model, TEXT, batch_size=2, block_size=16, max_chars=10**9)
+    assert everything["chars"] == 218  # 2 streams of 109 targets
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_mode_is_restored_and_dropout_is_off(training):
+    model = random_model()
+    model.train(training)
+    first = evaluate(model, TEXT, batch_size=2, block_size=32)
+    second = evaluate(model, TEXT, batch_size=2, block_size=32)
+    assert model.training is training
+    assert first == second  # no dropout noise
+    assert not any(p.grad is not None for p in model.parameters())
+
+
+def test_rejects_a_non_positive_max_chars():
+    with pytest.raises(ValueError, match="max_chars"):
+        evaluate(random_model(), TEXT, max_chars=0)

@@ -1,0 +1,108 @@
+"""Presets and the preset < config file < overrides resolution."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaspan import ModelConfig
+from adaspan.presets import PRESETS, resolve_config
+from adaspan.train import TrainConfig
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_valid_configs(name):
+    model, train = resolve_config(name)  # raises if a value is invalid
+    preset = PRESETS[name]
+    assert preset.keys() == {"description", "model", "train"}
+    assert preset["description"] and "\n" not in preset["description"]
+    assert model.to_dict().items() >= preset["model"].items()
+    assert train.to_dict().items() >= preset["train"].items()
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "d_model", "dropout", "steps", "lr_drop_steps"),
+    [
+        ("text8-small", 12, 512, 0.3, 900_000, 0),
+        ("enwik8-small", 12, 512, 0.3, 900_000, 0),
+        ("text8-large", 24, 768, 0.4, 270_000, 20_000),
+        ("enwik8-large", 24, 768, 0.4, 170_000, 20_000),
+    ],
+)
+def test_paper_presets_follow_section_3(name, layers, d_model, dropout, steps, lr_drop_steps):
+    model, train = resolve_config(name)
+    assert (model.n_layers, model.d_model, model.n_heads, model.dropout) == (
+        layers, d_model, 8, dropout)
+    assert (model.max_span, model.ramp, model.span_loss_coef) == (8192, 32, 0.5e-6)
+    assert (train.optimizer, train.lr, train.warmup, train.clip) == ("adagrad", 0.07, 32_000, 0.03)
+    assert (train.batch_size, train.block_size) == (64, 512)
+    assert (train.steps, train.lr_drop_steps, train.lr_drop_factor) == (steps, lr_drop_steps, 0.1)
+    assert train.data == name.split("-")[0]
+
+
+def test_cpu_presets_do_not_use_the_paper_optimizer():
+    for name in ("cpu-small", "demo"):
+        assert resolve_config(name)[1].optimizer == "adamw"
+
+
+def test_no_preset_gives_the_defaults():
+    assert resolve_config() == (ModelConfig(), TrainConfig())
+
+
+def test_file_overrides_preset_and_overrides_win(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nd_model = 128\nn_layers = 2\n\n[train]\nlr = 1\nsteps = 50\n'
+                    'time_budget = 60\n')
+    model, train = resolve_config("demo", path, ["model.n_layers=5", "steps=7", "dropout=0",
+                                                 "tensorboard=false", "data_dir=none"])
+    assert model.d_model == 128  # file over preset
+    assert model.n_layers == 5 and train.steps == 7  # overrides over file
+    assert train.lr == 1.0 and isinstance(train.lr, float)
+    assert train.time_budget == 60.0
+    assert model.dropout == 0.0 and train.tensorboard is False and train.data_dir is None
+    assert model.n_heads == PRESETS["demo"]["model"]["n_heads"]  # untouched preset value
+
+
+def test_overrides_apply_to_a_base_such_as_a_saved_run():
+    saved = resolve_config("demo", None, ["steps=100", "max_span=128"])
+    model, train = resolve_config(base=saved, overrides=["steps=300"])
+    assert train.steps == 300 and model.max_span == 128
+    assert (model, train.lr) == (saved[0], saved[1].lr)
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "expected"),
+    [("1", "bool", True), ("False", "bool", False), ("9e5", "int", 900_000),
+     ("1_000", "int", 1000), ("3e-4", "float", 3e-4), ("none", "float", None)],
+)
+def test_override_values_are_parsed_by_field_type(text, kind, expected):
+    key = {"bool": "tensorboard", "int": "steps", "float": "time_budget"}[kind]
+    _, train = resolve_config(None, None, [f"{key}={text}", "lr_drop_steps=0"])
+    assert getattr(train, key) == expected
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.lrr=0.1", r"unknown train option 'lrr' \(did you mean lr\?\)"),
+        ("d_modle=64", r"unknown option 'd_modle' \(did you mean d_model\?\)"),
+        ("modle.d_model=64", r"unknown section 'modle'.*did you mean model"),
+        ("steps=1.5", r"train\.steps must be an integer"),
+        ("tensorboard=maybe", r"train\.tensorboard must be true or false"),
+        ("lr", r"key=value"),
+    ],
+)
+def test_bad_overrides_explain_themselves(override, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_config(None, None, [override])
+
+
+def test_bad_config_files_and_presets(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[training]\nlr = 0.1\n")
+    with pytest.raises(ValueError, match=r"bad\.toml.*'training'.*did you mean train"):
+        resolve_config(None, path)
+    path.write_text('[train]\nlr = "fast"\n')
+    with pytest.raises(ValueError, match=r"train\.lr must be a number"):
+        resolve_config(None, path)
+    with pytest.raises(ValueError, match=r"did you mean text8-small"):
+        resolve_config("text8-smal")

@@ -1,0 +1,350 @@
+"""Training loop, schedule, checkpoints and run directories, on tiny models."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing
+
+from adaspan import ModelConfig, SpanLM
+from adaspan.checkpoint import (
+    STATE_FILE,
+    RunDirError,
+    atomic_write,
+    load_model,
+)
+from adaspan.data import load_corpus
+from adaspan.evaluate import evaluate
+from adaspan.train import (
+    TrainConfig,
+    build_optimizer,
+    build_scheduler,
+    lr_factor,
+    merge_rows,
+    train,
+    train_step,
+)
+
+MODEL = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
+                    span_bucket=8, span_init=0.3, dropout=0.2)
+RECORD_FIELDS = {"step", "train_bpc", "valid_bpc", "lr", "chars_per_s", "avg_span", "max_span",
+                 "elapsed"}
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> str:
+    """800 bytes of the bundled corpus: 720 train bytes = 5 blocks of 4 x 32, so runs wrap."""
+    path = tmp_path_factory.mktemp("data") / "tiny.txt"
+    path.write_bytes(load_corpus("kjv", progress=False).train[:800].tobytes())
+    return str(path)
+
+
+def tiny_config(data: str, **changes) -> TrainConfig:
+    values = dict(data=data, batch_size=4, block_size=32, steps=8, optimizer="adamw", lr=3e-3,
+                  warmup=2, clip=1.0, eval_interval=4, eval_chars=64, log_interval=2,
+                  checkpoint_interval=3, device="cpu", tensorboard=False)
+    return TrainConfig(**{**values, **changes})
+
+
+def run(run_dir: Path, config: TrainConfig, model: ModelConfig = MODEL, **kw) -> dict:
+    return train(model, config, run_dir, progress=False, log=lambda message: None, **kw)
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_model(run_dir).state_dict()
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus_file) -> dict[str, torch.Tensor]:
+    """Weights after 8 steps in one go (dropout > 0, so RNG states matter; data wraps at 5)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "straight"
+    run(run_dir, tiny_config(corpus_file))
+    return weights(run_dir)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_resume_equals_uninterrupted(tmp_path, corpus_file, uninterrupted):
+    first = run(tmp_path, tiny_config(corpus_file, steps=4))
+    assert first["steps"] == 4
+    with (tmp_path / "metrics.jsonl").open("a") as out:  # as if it crashed after a checkpoint
+        out.write(json.dumps({"step": 6, "train_bpc": 1.0}) + "\n" + '{"step": 7, "tr')
+    summary = run(tmp_path, tiny_config(corpus_file), resume=True)
+    assert summary["steps"] == 8 and summary["stopped"] == "completed"
+    assert_same_weights(weights(tmp_path), uninterrupted)
+    assert [r["step"] for r in records(tmp_path)] == [2, 4, 6, 8]  # stale records dropped
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues_exactly(tmp_path, corpus_file,
+                                                                 uninterrupted):
+    def press_ctrl_c_at_step_2(message: str) -> None:
+        if message.startswith("step 2/"):
+            signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(MODEL, tiny_config(corpus_file), tmp_path, progress=False,
+              log=press_ctrl_c_at_step_2)
+    assert torch.load(tmp_path / STATE_FILE)["step"] == 3  # the step under way was finished
+    run(tmp_path, tiny_config(corpus_file), resume=True)
+    assert_same_weights(weights(tmp_path), uninterrupted)
+
+
+def test_time_budget_stops_with_a_checkpoint(tmp_path, corpus_file):
+    summary = run(tmp_path, tiny_config(corpus_file, time_budget=1e-9))
+    assert summary["stopped"] == "time_budget" and summary["steps"] == 1
+    assert torch.load(tmp_path / STATE_FILE)["step"] == 1
+    assert records(tmp_path)[-1]["valid_bpc"] is not None  # validated before stopping
+
+
+def test_metrics_records_hold_every_field_and_the_lr_schedule(tmp_path, corpus_file):
+    config = tiny_config(corpus_file, steps=6, warmup=4, lr_drop_steps=2, log_interval=1,
+                         eval_interval=3, tensorboard=True)
+    summary = run(tmp_path, config)
+    lines = records(tmp_path)
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    for record in lines:
+        assert record.keys() == RECORD_FIELDS
+        assert math.isfinite(record["train_bpc"]) and record["chars_per_s"] > 0
+        assert 1 <= record["avg_span"] <= record["max_span"] <= MODEL.max_span
+    assert [r["valid_bpc"] is not None for r in lines] == [False, False, True, False, False, True]
+    # step s is optimiser update s - 1: warm-up 0, 1/4, 2/4, 3/4, then 1, then lr/10 (last 2)
+    expected = [0.0, 0.25, 0.5, 0.75, 0.1, 0.1]
+    assert [r["lr"] for r in lines] == pytest.approx([config.lr * f for f in expected])
+    assert summary["valid_bpc"] == lines[-1]["valid_bpc"]
+    if _has_tensorboard():
+        assert any((tmp_path / "tb").iterdir())
+
+
+def _has_tensorboard() -> bool:
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_saved_model_reproduces_the_final_validation(tmp_path, corpus_file):
+    config = tiny_config(corpus_file, steps=3)
+    summary = run(tmp_path, config)
+    model = load_model(tmp_path)
+    assert not model.training
+    valid = load_corpus(corpus_file).valid
+    result = evaluate(model, valid, batch_size=4, block_size=32, max_chars=config.eval_chars)
+    assert result["bpc"] == summary["valid_bpc"]
+
+
+def test_run_leaves_no_temporary_files(tmp_path, corpus_file):
+    run(tmp_path, tiny_config(corpus_file, steps=3, checkpoint_interval=1))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["config.json", "metrics.jsonl", "model.safetensors", "state.pt"]
+
+
+def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
+    target = tmp_path / "file.txt"
+    atomic_write({target: lambda path: path.write_text("old")})
+
+    def broken(path: Path) -> None:
+        path.write_text("half written")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write({target: broken, tmp_path / "other.txt": lambda p: p.write_text("x")})
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["file.txt"]
+
+
+def test_refuses_to_overwrite_a_run(tmp_path, corpus_file):
+    (tmp_path / "notes.txt").write_text("precious")
+    with pytest.raises(RunDirError, match="--resume"):
+        run(tmp_path, tiny_config(corpus_file))
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_resume_needs_a_checkpoint_with_the_same_model(tmp_path, corpus_file):
+    with pytest.raises(RunDirError, match="nothing to resume"):
+        run(tmp_path / "missing", tiny_config(corpus_file), resume=True)
+    run(tmp_path, tiny_config(corpus_file, steps=1))
+    with pytest.raises(RunDirError, match=r"model\.d_model"):
+        run(tmp_path, tiny_config(corpus_file), dataclasses.replace(MODEL, d_model=32),
+            resume=True)
+    with pytest.raises(RunDirError, match=r"train\.batch_size"):
+        run(tmp_path, tiny_config(corpus_file, batch_size=2), resume=True)
+
+
+def test_load_model_explains_a_missing_run(tmp_path):
+    with pytest.raises(RunDirError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(RunDirError, match=r"config\.json"):
+        load_model(tmp_path)
+
+
+def _distributed_worker(rank: int, ports: tuple[int, int], data: str, run_dir: Path) -> None:
+    """One of 2 torchrun-like processes: 3 steps, then resume up to 6."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    model = dataclasses.replace(MODEL, dropout=0.0)
+    for port, steps in zip(ports, (3, 6), strict=True):  # a new port: the old store may linger
+        os.environ["MASTER_PORT"] = str(port)
+        run(run_dir, tiny_config(data, steps=steps), model, resume=steps > 3)
+
+
+def _free_ports(count: int) -> tuple[int, ...]:
+    with contextlib.ExitStack() as stack:
+        probes = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return tuple(probe.getsockname()[1] for probe in probes)
+
+
+def test_two_processes_match_one_and_resume(tmp_path, corpus_file):
+    run(tmp_path / "single", tiny_config(corpus_file, steps=6),
+        dataclasses.replace(MODEL, dropout=0.0))
+    workers = torch.multiprocessing.spawn(
+        _distributed_worker, args=(_free_ports(2), corpus_file, tmp_path / "ddp"), nprocs=2,
+        join=False)
+    deadline = time.monotonic() + 120
+    while not workers.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail("distributed training did not finish in 120 s")
+    single, ddp = weights(tmp_path / "single"), weights(tmp_path / "ddp")
+    for name in single:
+        torch.testing.assert_close(ddp[name], single[name], atol=1e-6, rtol=0)
+    assert [r["step"] for r in records(tmp_path / "ddp")] == [2, 3, 4, 6]  # rank 0 writes
+
+
+def _step_inputs(seed: int = 0, batch: int = 4, length: int = 24):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (batch, length), generator=generator) for _ in range(4)]
+
+
+@pytest.mark.parametrize(("optimizer", "lr"), [("adagrad", 0.05), ("adamw", 1e-3)])
+def test_batch_split_gives_the_full_batch_gradient(optimizer, lr):
+    x1, y1, x2, y2 = _step_inputs()
+    results = []
+    for split in (1, 2):
+        config = TrainConfig(batch_size=4, batch_split=split, optimizer=optimizer, lr=lr,
+                             warmup=0, clip=0.0)
+        torch.manual_seed(0)
+        model = SpanLM(dataclasses.replace(MODEL, dropout=0.0))
+        opt = build_optimizer(model, config)
+        scheduler = build_scheduler(opt, config)
+        cache, seen = model.empty_cache(4), []
+        for x, y in ((x1, y1), (x2, y2)):  # the second step reads the carried cache
+            loss, cache = train_step(model, opt, scheduler, x, y, cache, config)
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+            seen.append((loss, grads, [layer.clone() for layer in cache]))
+        results.append((seen, model.state_dict()))
+    (seen1, state1), (seen2, state2) = results
+    for (loss1, grads1, cache1), (loss2, grads2, cache2) in zip(seen1, seen2, strict=True):
+        assert loss1 == pytest.approx(loss2, abs=1e-6)
+        for name in grads1:
+            torch.testing.assert_close(grads1[name], grads2[name], atol=1e-6, rtol=0)
+        for a, b in zip(cache1, cache2, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for name in state1:
+        torch.testing.assert_close(state1[name], state2[name], atol=1e-6, rtol=0)
+
+
+def test_merge_rows_left_pads_shorter_caches_with_zeros():
+    short, long = torch.ones(1, 2, 3), torch.full((2, 4, 3), 2.0)
+    (merged,) = merge_rows([[short], [long]])
+    assert merged.shape == (3, 4, 3)
+    assert merged[0, :2].eq(0).all() and merged[0, 2:].eq(1).all() and merged[1:].eq(2).all()
+
+
+def test_spans_are_clamped_after_a_huge_step():
+    config = TrainConfig(batch_size=2, optimizer="adamw", lr=1e3, warmup=0, clip=0.0)
+    model = SpanLM(dataclasses.replace(MODEL, span_init=0.5))
+    optimizer = build_optimizer(model, config)
+    x, y = (t[:2] for t in _step_inputs()[:2])
+    train_step(model, optimizer, build_scheduler(optimizer, config), x, y,
+               model.empty_cache(2), config)
+    z = torch.cat([layer.attn.span.z_frac.detach() for layer in model.layers])
+    assert ((z >= 0) & (z <= 1)).all()
+    assert ((z == 0) | (z == 1)).all()  # the step moved every z' far outside [0, 1]
+
+
+def test_bfloat16_step_runs_under_autocast():
+    config = TrainConfig(batch_size=2, optimizer="adamw", lr=1e-3, warmup=0, dtype="bfloat16")
+    model = SpanLM(MODEL)
+    optimizer = build_optimizer(model, config)
+    x, y = (t[:2] for t in _step_inputs()[:2])
+    loss, cache = train_step(model, optimizer, build_scheduler(optimizer, config), x, y,
+                             model.empty_cache(2), config)
+    assert math.isfinite(loss) and all(layer.shape[0] == 2 for layer in cache)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_lr_factor_warms_up_linearly_then_drops():
+    config = TrainConfig(steps=1000, warmup=100, lr_drop_steps=200, lr_drop_factor=0.1)
+    assert lr_factor(0, config) == 0.0
+    assert lr_factor(50, config) == 0.5
+    assert lr_factor(100, config) == 1.0
+    assert lr_factor(799, config) == 1.0
+    assert lr_factor(800, config) == pytest.approx(0.1)
+    assert lr_factor(999, config) == pytest.approx(0.1)
+    assert lr_factor(0, dataclasses.replace(config, warmup=0)) == 1.0
+
+
+def test_scheduler_follows_lr_factor():
+    config = TrainConfig(steps=10, warmup=4, lr=0.5, lr_drop_steps=3)
+    optimizer = build_optimizer(SpanLM(MODEL), config)
+    scheduler = build_scheduler(optimizer, config)
+    seen = []
+    for _ in range(config.steps):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.5 * lr_factor(s, config) for s in range(10)])
+    assert seen[:5] == pytest.approx([0.0, 0.125, 0.25, 0.375, 0.5])
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"batch_size": 6, "batch_split": 4}, "batch_size"),
+        ({"steps": 2.5}, "steps"),
+        ({"lr": -1.0}, "lr"),
+        ({"warmup": -1}, "warmup"),
+        ({"clip": float("nan")}, "clip"),
+        ({"optimizer": "sgd"}, "optimizer"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"device": "gpu"}, "device"),
+        ({"time_budget": 0}, "time_budget"),
+        ({"lr_drop_steps": 2_000_000}, "lr_drop_steps"),
+        ({"log_interval": True}, "log_interval"),
+        ({"tensorboard": "yes"}, "tensorboard"),
+    ],
+)
+def test_train_config_errors_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{field} "):
+        TrainConfig(**changes)
+
+
+def test_train_config_round_trips_through_a_dict():
+    config = TrainConfig(steps=10, time_budget=5.0, data_dir="/tmp")
+    assert TrainConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="stepz"):
+        TrainConfig.from_dict({"stepz": 1})
