@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"adaspan {__version__}")
     commands = parser.add_subparsers(metavar="COMMAND")
     for add in (_add_train, _add_evaluate, _add_generate, _add_inspect, _add_bench,
-                _add_download, _add_presets, _add_demo):
+                _add_download, _add_presets, _add_demo, _add_compare):
         add(commands)
     return parser
 
@@ -380,6 +380,59 @@ def _demo(args: argparse.Namespace) -> int:
                       generator=torch.Generator().manual_seed(0))
     _say("sample:\nAnd God said" + sample.decode("utf-8", errors="replace"))
     _say(f"run saved in {run_dir}: try `adaspan inspect {run_dir} --plot {run_dir}`")
+    return 0
+
+
+# -------------------------------------------------------------------------------------- compare
+
+
+def _add_compare(commands) -> None:
+    from .config import ATTENTIONS
+
+    p = commands.add_parser(
+        "compare", help="train several attention methods on one budget and tabulate them",
+        description="Train each method on the same data, with the same seed and budget, then "
+        "evaluate it and write a table in the form of the paper's Table 1 to OUT/compare.md "
+        "and OUT/compare.csv. Re-running with the same --out reuses the finished runs.",
+    )
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="override any option for every method, e.g. d_model=128")
+    p.add_argument("--methods", default=",".join(ATTENTIONS),
+                   help="comma-separated attention methods [default: %(default)s]")
+    p.add_argument("--preset", default="cpu-small",
+                   help="named configuration [default: %(default)s]")
+    p.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=float, help="training time of each method")
+    budget.add_argument("--steps", type=int, help="training steps of each method")
+    p.add_argument("--out", type=Path, help="output directory (default: runs/compare-TIME)")
+    p.add_argument("--test", action="store_true", help="also report test bpc")
+    p.add_argument("--eval-chars", type=int, metavar="N",
+                   help="evaluate on the first N characters of each split (default: all)")
+    p.add_argument("--json", action="store_true", help="end with the rows as one JSON line")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_compare)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import MARKDOWN_FILE, compare
+    from .presets import resolve_config
+
+    budget = []
+    if args.minutes is not None:  # the time budget decides; steps only cap it
+        budget = [f"time_budget={args.minutes * 60}", "steps=1e9"]
+    elif args.steps is not None:
+        budget = [f"steps={args.steps}"]
+    model_config, train_config = resolve_config(args.preset, args.config,
+                                                budget + list(args.overrides))
+    out = args.out or _new_run_dir("compare")
+    methods = [method.strip() for method in args.methods.split(",") if method.strip()]
+    rows = compare(methods, model_config, train_config, out, args.test, args.eval_chars,
+                   progress=not args.no_progress)
+    if args.json:
+        print(json.dumps([_rounded(row) for row in rows]))
+    else:
+        print((out / MARKDOWN_FILE).read_text(), end="")
     return 0
 
 

@@ -1,0 +1,141 @@
+"""`adaspan compare` on tiny models: rows, determinism, tables, reuse of finished runs, CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+
+import pytest
+
+from adaspan.checkpoint import RunDirError
+from adaspan.cli import main
+from adaspan.compare import CSV_FILE, MARKDOWN_FILE, compare, format_markdown
+from adaspan.presets import resolve_config
+
+TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
+        "block_size=16", "eval_chars=64", "eval_interval=2", "log_interval=1",
+        "checkpoint_interval=2", "tensorboard=false", "device=cpu"]
+METHODS = ["fixed", "adaptive", "xl"]
+EVAL_CHARS = 256
+FIELDS = ["method", "layers", "avg_span", "params", "flops_per_char", "chars_per_s", "steps",
+          "valid_bpc", "test_bpc"]
+
+
+def _configs(*extra: str):
+    return resolve_config("cpu-small", overrides=[*TINY, "steps=2", *extra])
+
+
+def _compare(out, methods=METHODS, extra=(), **kwargs) -> list[dict]:
+    kwargs = {"evaluate_test": True, "eval_chars": EVAL_CHARS, "progress": False, **kwargs}
+    return compare(methods, *_configs(*extra), out, **kwargs)
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("a finished run was trained again")
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    return out, _compare(out)
+
+
+def test_one_row_per_method_with_table_fields(compared):
+    _, rows = compared
+    assert [row["method"] for row in rows] == METHODS
+    fixed, adaptive, xl = rows
+    for row in rows:
+        assert list(row) == FIELDS
+        assert row["layers"] == 1 and row["steps"] == 2 and row["params"] > 0
+        assert row["chars_per_s"] > 0 and row["flops_per_char"] > 0
+        assert 0 < row["valid_bpc"] < 9 and 0 < row["test_bpc"] < 9
+    assert fixed["avg_span"] == xl["avg_span"] == 64
+    assert adaptive["avg_span"] < 64  # spans start at R = 32 and hardly move in 2 steps
+    assert adaptive["flops_per_char"] < fixed["flops_per_char"]  # attention follows the span
+
+
+def test_same_seed_gives_identical_results(compared, tmp_path):
+    out, rows = compared
+    (again,) = _compare(tmp_path, ["fixed"])
+    assert {**again, "chars_per_s": None} == {**rows[0], "chars_per_s": None}
+    weights = "fixed/model.safetensors"
+    assert (tmp_path / weights).read_bytes() == (out / weights).read_bytes()
+
+
+def test_markdown_has_header_and_one_row_per_method(compared):
+    out, _ = compared
+    table = [line for line in (out / MARKDOWN_FILE).read_text().splitlines()
+             if line.startswith("|")]
+    assert table[0].split("|")[1:-1] == [
+        " Method ", " #layers ", " Avg. span ", " #Params ", " FLOPs/char ", " chars/s ",
+        " steps ", " valid bpc ", " test bpc "]
+    assert set(table[1]) <= set("|-: ")
+    assert [line.split("|")[1].strip() for line in table[2:]] == METHODS
+    assert "FLOPs/char:" in (out / MARKDOWN_FILE).read_text()
+
+
+def test_markdown_leaves_out_test_column_without_test_bpc(compared):
+    _, rows = compared
+    header = format_markdown([{k: v for k, v in row.items() if k != "test_bpc"}
+                              for row in rows]).splitlines()[0]
+    assert "valid bpc" in header and "test bpc" not in header
+
+
+def test_csv_parses_back(compared):
+    out, rows = compared
+    with (out / CSV_FILE).open(newline="") as file:
+        parsed = list(csv.DictReader(file))
+    assert [row["method"] for row in parsed] == METHODS
+    for row, original in zip(parsed, rows, strict=True):
+        assert list(row) == FIELDS
+        assert float(row["valid_bpc"]) == original["valid_bpc"]
+        assert int(row["params"]) == original["params"]
+
+
+def test_unknown_or_repeated_method_is_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match="'bogus'; choose from fixed, adaptive, dynamic"):
+        _compare(tmp_path / "out", ["fixed", "bogus"])
+    with pytest.raises(ValueError, match="each method once"):
+        _compare(tmp_path / "out", ["fixed", "fixed"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_finished_runs_are_reused(compared, tmp_path, monkeypatch):
+    out, rows = compared
+    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    reused = _compare(tmp_path, evaluate_test=False)
+    assert reused == [{k: v for k, v in row.items() if k != "test_bpc"} for row in rows]
+
+
+def test_run_with_other_settings_is_not_reused(compared, tmp_path, monkeypatch):
+    out, _ = compared
+    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    with pytest.raises(RunDirError, match="delete it to train fixed again"):
+        _compare(tmp_path, extra=["steps=3"])
+
+
+def test_cli_compare_json_last_line(tmp_path, capsys):
+    assert main(["compare", "--methods", "fixed,adaptive", "--steps", "2", "--out",
+                 str(tmp_path), "--eval-chars", str(EVAL_CHARS), "--json", "--no-progress",
+                 *TINY]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [row["method"] for row in rows] == ["fixed", "adaptive"]
+    assert all(row["steps"] == 2 and "test_bpc" not in row for row in rows)
+    assert (tmp_path / MARKDOWN_FILE).is_file() and (tmp_path / CSV_FILE).is_file()
+
+
+def test_cli_minutes_budget_prints_markdown(tmp_path, capsys):
+    assert main(["compare", "--methods", "vanilla", "--minutes", "1e-6", "--out",
+                 str(tmp_path), "--eval-chars", str(EVAL_CHARS), "--no-progress", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "6e-05 s of training" in out
+    row = next(line for line in out.splitlines() if line.startswith("| vanilla"))
+    assert row.split("|")[7].strip() == "1"  # the time budget, not steps, ended training
+
+
+def test_cli_unknown_method_is_one_line_error(tmp_path, capsys):
+    assert main(["compare", "--methods", "fixed,bogus", "--out", str(tmp_path / "out")]) == 2
+    assert "unknown method(s) 'bogus'" in capsys.readouterr().err
