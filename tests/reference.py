@@ -63,3 +63,12 @@ def reference_attention(attn: SpanAttention, x: Tensor, cache: Tensor) -> Tensor
                 head_outputs.append((a[:, None] * torch.stack(values)).sum(0))
             out[b, t] = Wo @ torch.cat(head_outputs)
     return out
+
+
+def run_blocks(model, tokens: Tensor, block: int) -> Tensor:
+    """Log-probabilities of a model reading ``tokens`` block by block with its cache."""
+    cache, outs = model.empty_cache(tokens.shape[0]), []
+    for start in range(0, tokens.shape[1], block):
+        out, cache = model(tokens[:, start : start + block], cache)
+        outs.append(out)
+    return torch.cat(outs, dim=1)

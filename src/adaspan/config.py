@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 ATTENTIONS = ("fixed", "adaptive", "dynamic", "vanilla", "xl", "factorized")
@@ -84,10 +85,15 @@ class ModelConfig:
         return cls(**values)
 
 
-def _require(name: str, value: object, ok, what: str) -> None:
+def require(field: str, value: object, ok: Callable[[object], object], what: str) -> None:
+    """Raise ``ValueError("<field> must be <what>, got <value>")`` unless ``ok(value)``."""
     try:
         valid = bool(ok(value))
     except TypeError:
         valid = False
     if not valid:
-        raise ValueError(f"ModelConfig.{name} must be {what}, got {value!r}")
+        raise ValueError(f"{field} must be {what}, got {value!r}")
+
+
+def _require(name: str, value: object, ok: Callable[[object], object], what: str) -> None:
+    require(f"ModelConfig.{name}", value, ok, what)

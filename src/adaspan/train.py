@@ -45,7 +45,7 @@ from .checkpoint import (
     save_checkpoint,
     save_config,
 )
-from .config import ModelConfig
+from .config import ModelConfig, require
 from .data import BlockStream, Corpus, load_corpus
 from .evaluate import evaluate
 from .model import Cache, SpanLM
@@ -118,13 +118,7 @@ class TrainConfig:
         self._require("tensorboard", lambda v: isinstance(v, bool), "true or false")
 
     def _require(self, name: str, ok: Callable[[object], object], what: str) -> None:
-        value = getattr(self, name)
-        try:
-            valid = bool(ok(value))
-        except TypeError:
-            valid = False
-        if not valid:
-            raise ValueError(f"TrainConfig.{name} must be {what}, got {value!r}")
+        require(f"TrainConfig.{name}", getattr(self, name), ok, what)
 
     def to_dict(self) -> dict:
         return asdict(self)
