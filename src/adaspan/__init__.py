@@ -4,21 +4,35 @@ Implements "Adaptive Attention Span in Transformers" (Sukhbaatar et al., ACL 201
 attention methods it is compared against.
 """
 
+from ._version import __version__
 from .attention import SpanAttention, banded_attention
+from .baselines import FactorizedAttention, VanillaAttention, XLAttention
+from .checkpoint import load_model
 from .config import ModelConfig
-from .model import SpanLM
+from .evaluate import evaluate
+from .generate import generate
+from .model import ATTENTION_TYPES, SpanLM
 from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, soft_mask
-
-__version__ = "0.1.0"
+from .train import TrainConfig, train
 
 __all__ = [
+    "ATTENTION_TYPES",
     "AdaptiveSpan",
     "DynamicSpan",
+    "FactorizedAttention",
     "FixedSpan",
     "ModelConfig",
     "Span",
     "SpanAttention",
     "SpanLM",
+    "TrainConfig",
+    "VanillaAttention",
+    "XLAttention",
+    "__version__",
     "banded_attention",
+    "evaluate",
+    "generate",
+    "load_model",
     "soft_mask",
+    "train",
 ]

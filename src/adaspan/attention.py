@@ -153,15 +153,18 @@ class SpanAttention(nn.Module):
         return y, states[:, -longest:].detach()
 
     def _attend(self, q: Tensor, states: Tensor, heads: list[int], w: int, z) -> Tensor:
-        """Attention of the heads ``heads`` over ``states`` (B, w + M, D)."""
-        k_weight, v_weight = self.k.weight, self.v.weight
+        """Attention of the heads ``heads`` over ``states`` (B, w + M, D).
+
+        Keys and values of these heads only, from one product with their rows of W_k and W_v.
+        """
+        weight = torch.cat([self.k.weight, self.v.weight])
         if len(heads) != self.n_heads:
-            rows = torch.cat([torch.arange(h * self.d_head, (h + 1) * self.d_head)
-                              for h in heads]).to(states.device)
-            k_weight, v_weight = k_weight[rows], v_weight[rows]
+            rows = torch.arange(self.d_head, device=weight.device)
+            rows = torch.cat([rows + h * self.d_head for h in heads])
+            weight = weight[torch.cat([rows, rows + self.n_heads * self.d_head])]
         B, T, _ = states.shape
-        k = F.linear(states, k_weight).view(B, T, len(heads), self.d_head).transpose(1, 2)
-        v = F.linear(states, v_weight).view(B, T, len(heads), self.d_head).transpose(1, 2)
+        kv = F.linear(states, weight).view(B, T, 2, len(heads), self.d_head)
+        k, v = kv.permute(2, 0, 3, 1, 4)  # each (B, H_group, T, d_head)
         return banded_attention(q, k, v, self.pos[:w], z, self.ramp, self.dropout, self.training)
 
 

@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from . import __version__
+from ._version import __version__
 from .config import ModelConfig
 from .model import Cache, SpanLM
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from ._version import __version__
 
 # One line of help per option: what it does and the paper's value (paper §3 unless stated).
 OPTION_HELP: dict[str, str] = {
@@ -177,6 +177,8 @@ def _add_evaluate(commands) -> None:
     p.add_argument("--block-size", type=int, help="characters per block (default: the run's)")
     p.add_argument("--max-chars", type=int, help="only the first blocks holding this many chars")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16: run under autocast")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=_evaluate)
@@ -193,8 +195,8 @@ def _evaluate(args: argparse.Namespace) -> int:
                          saved["train"].get("data_dir"), progress=not args.no_progress)
     result = evaluate(model, corpus.split(args.split), batch_size=args.batch_size,
                       block_size=args.block_size or saved["train"]["block_size"],
-                      progress=not args.no_progress, max_chars=args.max_chars)
-    result = {**result, "split": args.split, "data": corpus.name}
+                      progress=not args.no_progress, max_chars=args.max_chars, dtype=args.dtype)
+    result = {**result, "split": args.split, "data": corpus.name, "dtype": args.dtype}
     if args.json:
         print(json.dumps(_rounded(result)))
     else:

@@ -26,13 +26,15 @@ def evaluate(
     device: str | torch.device | None = None,
     progress: bool = False,
     max_chars: int | None = None,
+    dtype: str = "float32",
 ) -> dict:
     """Bits per character of ``model`` on ``tokens``.
 
     ``max_chars`` stops after the first blocks that hold at least that many targets (a quick
     estimate for periodic validation). The model is moved to ``device`` (default: where it
     is), run in eval mode without gradients, and left in the train/eval mode it had.
-    Returns ``bpc``, ``loss`` (nats per character) and ``chars`` (number of targets).
+    ``dtype="bfloat16"`` runs the model under bf16 autocast. Returns ``bpc``, ``loss`` (nats
+    per character) and ``chars`` (number of targets).
     """
     if max_chars is not None and max_chars < 1:
         raise ValueError(f"max_chars must be >= 1 or None, got {max_chars}")
@@ -46,7 +48,8 @@ def evaluate(
     model.to(device).eval()
     nll, chars = 0.0, 0
     try:
-        with torch.no_grad(), tqdm(total=total_chars, unit="char", unit_scale=True,
+        autocast = torch.autocast(device.type, torch.bfloat16, enabled=dtype == "bfloat16")
+        with torch.no_grad(), autocast, tqdm(total=total_chars, unit="char", unit_scale=True,
                                    desc="evaluating", disable=not progress) as bar:
             cache = model.empty_cache(batch_size)
             for _, x, y in islice(stream.blocks(), n_blocks):

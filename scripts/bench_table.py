@@ -1,0 +1,74 @@
+"""Measure the performance targets in one run and print them as JSON and a Markdown table.
+
+Usage: python scripts/bench_table.py [--steps 3] [--out docs/bench.json]
+
+Each configuration runs in its own `adaspan bench` process (so peak RSS is per configuration),
+one after the other. Reference config: 4 layers, d 256, 4 heads, FF 1024, block 256, batch 8,
+ramp 32, vocab 256. The reference figures of the authors' code on this machine (forward +
+backward + Adagrad, same config) are quoted from the project's issue tracker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+MODEL = ["n_layers=4", "d_model=256", "n_heads=4", "d_inner=1024", "ramp=32", "vocab_size=256",
+         "dropout=0"]
+SPANS = "32,64,128,1024"
+CONFIGS = {
+    "adaptive S=8192, spans 32/64/128/1024": (["max_span=8192"], SPANS),
+    "same, per-layer truncation": (["max_span=8192", "truncation=layer"], SPANS),
+    "same, bfloat16 autocast": (["max_span=8192"], SPANS, "bfloat16"),
+    "fixed S=8192": (["max_span=8192"], "fixed"),
+    "fixed S=1024": (["max_span=1024"], "fixed"),
+}
+AUTHORS = {  # train, eval chars/s of the authors' code on this machine, same config
+    "adaptive S=8192, spans 32/64/128/1024": (2200, 9200),
+    "fixed S=8192": (160, 360),
+    "fixed S=1024": (1100, None),
+}
+
+
+def run(model: list[str], spans: str, dtype: str = "float32", steps: int = 3) -> dict:
+    cmd = [sys.executable, "-m", "adaspan.cli", "bench", *MODEL, *model, "--spans", spans,
+           "--dtype", dtype, "--steps", str(steps), "--json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    results = {}
+    for name, (model, spans, *dtype) in CONFIGS.items():
+        results[name] = run(model, spans, *dtype, steps=args.steps)
+        print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    rows = ["| configuration | train chars/s | eval chars/s | generate chars/s | peak RSS MB | "
+            "model GFLOP/s (train) | authors' train / eval chars/s |",
+            "|---|---:|---:|---:|---:|---:|---|"]
+    for name, r in results.items():
+        authors = AUTHORS.get(name)
+        ref = " / ".join("-" if v is None else f"{v:,}" for v in authors) if authors else ""
+        rows.append(f"| {name} | {r['train_chars_per_s']:,.0f} | {r['eval_chars_per_s']:,.0f} | "
+                    f"{r['generate_chars_per_s']:,.1f} | {r['peak_memory_mb']:,.0f} | "
+                    f"{r['train_gflops']:.1f} | {ref} |")
+    rate = max(r["matmul_gflops"] for r in results.values())
+    rows.append(f"\nMeasured fp32 matmul rate (2048² product): {rate:.0f} GFLOP/s.")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
