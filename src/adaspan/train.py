@@ -12,9 +12,7 @@ streams and gradients are averaged with DistributedDataParallel; only rank 0 wri
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import re
 import signal
@@ -37,7 +35,6 @@ from .attention import fit_cache
 from .checkpoint import (
     RunDirError,
     TrainingState,
-    atomic_write,
     has_checkpoint,
     load_training_state,
     read_config,
@@ -47,12 +44,13 @@ from .checkpoint import (
 )
 from .config import ModelConfig, require
 from .data import BlockStream, Corpus, load_corpus
+from .distributed import Distributed
 from .evaluate import evaluate
+from .metrics import MetricsLog
 from .model import Cache, SpanLM
 
 OPTIMIZERS = ("adagrad", "adamw")
 DTYPES = ("float32", "bfloat16")
-METRICS_FILE = "metrics.jsonl"
 # Train options a resumed run must keep: they define the data stream and the optimiser state.
 RESUME_FIXED = ("data", "batch_size", "block_size", "optimizer", "lr", "warmup", "weight_decay")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -257,7 +255,7 @@ def train(
     ``train_bpc``, ``valid_bpc``, ``chars_per_s``, ``avg_span``, ``max_span``, ``spans``,
     ``elapsed`` and ``stopped`` ("completed" or "time_budget").
     """
-    dist = _Distributed.from_env()
+    dist = Distributed.from_env()
     owns_group = dist.active and not torch_dist.is_initialized()
     device = resolve_device(train_config.device, dist.local_rank)
     if owns_group:
@@ -274,62 +272,6 @@ def train(
 
 def _silent(message: str) -> None:
     """Discard ``message``: only rank 0 logs."""
-
-
-@dataclass(frozen=True)
-class _Distributed:
-    """This process's place in a torchrun job (rank 0 of 1 when not distributed)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls) -> _Distributed:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size <= 1:
-            return cls()
-        return cls(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
-
-    @property
-    def active(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def rows(self, batch_size: int) -> slice:
-        """This rank's contiguous share of the streams."""
-        share = batch_size // self.world_size
-        return slice(self.rank * share, (self.rank + 1) * share)
-
-    def barrier(self) -> None:
-        if self.active:
-            torch_dist.barrier()
-
-    def agree(self, flags: list[bool], device: torch.device) -> list[bool]:
-        """Each flag, true if it is true on any rank."""
-        if not self.active:
-            return flags
-        votes = torch.tensor(flags, dtype=torch.int32, device=device)
-        torch_dist.all_reduce(votes, op=torch_dist.ReduceOp.MAX)
-        return [bool(v) for v in votes.tolist()]
-
-    def mean(self, value: float, device: torch.device) -> float:
-        if not self.active:
-            return value
-        total = torch.tensor(value, dtype=torch.float64, device=device)
-        torch_dist.all_reduce(total)
-        return total.item() / self.world_size
-
-    def gather(self, obj: object) -> list:
-        """``obj`` of every rank, in rank order, on rank 0 (empty list on the others)."""
-        if not self.active:
-            return [obj]
-        gathered = [None] * self.world_size if self.is_main else None
-        torch_dist.gather_object(obj, gathered, dst=0)
-        return gathered or []
 
 
 @dataclass
@@ -362,7 +304,7 @@ class _Run:
         run_dir: Path,
         resume: bool,
         device: torch.device,
-        dist: _Distributed,
+        dist: Distributed,
         progress: bool,
         log: Callable[[str], None],
     ) -> None:
@@ -401,7 +343,7 @@ class _Run:
         if dist.active:
             device_ids = [device.index] if device.type == "cuda" else None
             self.net = DistributedDataParallel(self.model, device_ids=device_ids)
-        self.metrics = (_Metrics(run_dir, self.state.step, config.tensorboard)
+        self.metrics = (MetricsLog(run_dir, self.state.step, config.tensorboard)
                         if dist.is_main else None)
         self.window, self.total = _Window(), _Window()  # since the last record / this call
         self.last = {"train_bpc": None, "valid_bpc": None, "lr": None}
@@ -621,47 +563,3 @@ def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
         yield lambda: requested
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-class _Metrics:
-    """Metrics records appended to ``metrics.jsonl`` and, if available, TensorBoard."""
-
-    def __init__(self, run_dir: Path, start_step: int, tensorboard: bool) -> None:
-        self.path = run_dir / METRICS_FILE
-        if start_step and self.path.exists():
-            _drop_records_after(self.path, start_step)
-        self.writer = _summary_writer(run_dir / "tb", start_step) if tensorboard else None
-
-    def write(self, record: dict) -> None:
-        with self.path.open("a") as out:
-            out.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for name, value in record.items():
-                if name != "step" and value is not None:
-                    self.writer.add_scalar(name, value, record["step"])
-            self.writer.flush()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-def _drop_records_after(path: Path, step: int) -> None:
-    """Forget records logged after the checkpoint a run resumes from (they will be redone)."""
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line + "\n")
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a line cut short by a crash
-    atomic_write({path: lambda temp: temp.write_text("".join(kept))})
-
-
-def _summary_writer(log_dir: Path, start_step: int):
-    """A TensorBoard writer dropping events after ``start_step``, or None without tensorboard."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)

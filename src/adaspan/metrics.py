@@ -1,0 +1,54 @@
+"""Training metrics: one JSON record per line in ``metrics.jsonl``, and TensorBoard if present."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .checkpoint import atomic_write
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Metrics records appended to ``metrics.jsonl`` and, if available, TensorBoard."""
+
+    def __init__(self, run_dir: Path, start_step: int, tensorboard: bool) -> None:
+        self.path = run_dir / METRICS_FILE
+        if start_step and self.path.exists():
+            _drop_records_after(self.path, start_step)
+        self.writer = _summary_writer(run_dir / "tb", start_step) if tensorboard else None
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for name, value in record.items():
+                if name != "step" and value is not None:
+                    self.writer.add_scalar(name, value, record["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Forget records logged after the checkpoint a run resumes from (they will be redone)."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut short by a crash
+    atomic_write({path: lambda temp: temp.write_text("".join(kept))})
+
+
+def _summary_writer(log_dir: Path, start_step: int):
+    """A TensorBoard writer dropping events after ``start_step``, or None without tensorboard."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
