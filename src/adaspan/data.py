@@ -233,7 +233,7 @@ def _download(url: str, dest: Path, benchmark: Benchmark, by_hand: Path, progres
                 unit_scale=True,
                 unit_divisor=1024,
                 desc=f"downloading {benchmark.zip_name}",
-                disable=not progress,
+                disable=None if progress else True,
             ) as bar,
         ):
             while chunk := response.read(_CHUNK):

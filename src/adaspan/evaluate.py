@@ -50,7 +50,7 @@ def evaluate(
     try:
         autocast = torch.autocast(device.type, torch.bfloat16, enabled=dtype == "bfloat16")
         with torch.no_grad(), autocast, tqdm(total=total_chars, unit="char", unit_scale=True,
-                                   desc="evaluating", disable=not progress) as bar:
+                                   desc="evaluating", disable=None if progress else True) as bar:
             cache = model.empty_cache(batch_size)
             for _, x, y in islice(stream.blocks(), n_blocks):
                 log_probs, cache = model(x.to(device), cache)
