@@ -25,6 +25,8 @@ CONFIGS = {
     "same, bfloat16 autocast": (["max_span=8192"], SPANS, "bfloat16"),
     "fixed S=8192": (["max_span=8192"], "fixed"),
     "fixed S=1024": (["max_span=1024"], "fixed"),
+    "adaptive S=4096, all spans 32": (["max_span=4096"], "32"),
+    "fixed S=4096": (["max_span=4096"], "fixed"),
 }
 AUTHORS = {  # train, eval chars/s of the authors' code on this machine, same config
     "adaptive S=8192, spans 32/64/128/1024": (2200, 9200),

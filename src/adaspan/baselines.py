@@ -4,8 +4,8 @@ Each is built from a :class:`ModelConfig`, has ``forward(x, cache) -> (y, new_ca
 block ``x`` (B, M, D) and the previous hidden states ``cache`` (B, C, D), and a fixed ``span``
 (``max_span`` = S for every head, no penalty), like :class:`adaspan.attention.SpanAttention`:
 
-* :class:`VanillaAttention` (``vanilla``): fixed span S inside the current block, no cache
-  (the T12 baseline of Al-Rfou et al. 2019);
+* :class:`VanillaAttention` (``vanilla``): fixed span S inside the current block only, no
+  cache (the T12 baseline of Al-Rfou et al. 2019);
 * :class:`XLAttention` (``xl``): Transformer-XL relative attention over a memory of S states
   (Dai et al. 2019);
 * :class:`FactorizedAttention` (``factorized``): the Sparse Transformer "fixed" factorized
@@ -56,24 +56,31 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
 
 
 class VanillaAttention(SpanAttention):
-    """Fixed span S inside the current block, no cache (T12 of Al-Rfou et al. 2019).
+    """Fixed span S inside the current block only, no cache (T12 of Al-Rfou et al. 2019).
 
-    Token t attends with the paper's eqs. 1-3 to the S positions t - S .. t - 1 (no
-    self-attention). Positions before the block are zero hidden states, exactly as
-    :class:`SpanAttention` reads the history before a stream: their keys are W_k 0 = 0, so their
-    score is the position term q_t . p_{t-r} alone, and their values are 0. Every block is thus
-    processed as a fresh stream of the ``fixed`` model: the cache passed in is never read, the
-    first token of a block outputs 0 (it sees only zero states) and the new cache is empty.
-    Cost: as ``fixed``, about M * (S + chunk) scores per head.
+    Token t of a block attends with the paper's eqs. 1-3 to the block's tokens t - S .. t - 1
+    (no self-attention, no earlier block): s = q_t . (k_r + p_{t-r}) / sqrt(d_head). The first
+    token of a block has no key and outputs 0. The cache passed in is never read and the new
+    cache is empty. Cost: about M * min(S, M) / 2 scores per head, whatever S.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, FixedSpan(config.n_heads, config.max_span, config.ramp))
 
     def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
-        empty = x.new_zeros(x.shape[0], 0, x.shape[2])
-        y, _ = super().forward(x, empty)
-        return y, empty
+        B, M, _ = x.shape
+        q, k, v = (_heads(proj(x), self.n_heads) for proj in (self.q, self.k, self.v))
+        q = q * self.d_head**-0.5
+        w = min(self.max_span, M)
+        t = torch.arange(M, device=x.device)
+        distance = t[:, None] - t[None, :]  # (M, M): d = t - r
+        visible = (distance >= 1) & (distance <= w)
+        by_distance = q @ self.pos[:w].t()  # (B, H, M, w): column d - 1 holds q . p_d
+        index = (distance - 1).clamp(0, w - 1).expand(B, self.n_heads, M, M)
+        scores = q @ k.transpose(-1, -2) + by_distance.gather(-1, index)
+        attn = F.dropout(masked_softmax(scores, visible), self.dropout, self.training)
+        y = self.o((attn @ v).transpose(1, 2).reshape(B, M, -1))
+        return y, x.new_zeros(B, 0, x.shape[2])
 
 
 class XLAttention(nn.Module):
