@@ -1,4 +1,5 @@
-"""The ``adaspan`` command line: train, evaluate, generate, inspect, download, demo."""
+"""The ``adaspan`` command line: train, evaluate, generate, inspect, bench, compare, download,
+presets, demo."""
 
 from __future__ import annotations
 
