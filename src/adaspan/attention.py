@@ -6,11 +6,10 @@ For a query at position t and a key at r (distance d = t - r, 1 <= d <= S), head
     a_tr = m_z(d) exp(s_tr) / sum_q m_z(t - q) exp(s_tq)   (eq. 2 with the soft mask)
     y_t  = sum_r a_tr v_r                            (eq. 3)
 
-The softmax runs over the keys with d <= z + R (beyond, m_z and its gradient are 0); its weights
-are multiplied by m_z and renormalised, exactly eq. 2. Computation is truncated to what each head
-can see: heads are grouped by their key *window* ``ceil(z + R)`` (rounded up to
-``span_bucket``), and each group projects and scores only the keys of its window
-(``truncation="head"``).
+Eq. 2 is computed exactly as a softmax of ``s + log m_z(d)`` (m_z = 0 gives -inf: no weight,
+no gradient). Computation is truncated to what each head can see: heads are grouped by their key
+*window* ``ceil(z + R)`` (rounded up to ``span_bucket``), and each group projects and scores only
+the keys of its window (``truncation="head"``).
 """
 
 from __future__ import annotations
