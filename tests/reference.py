@@ -72,3 +72,15 @@ def run_blocks(model, tokens: Tensor, block: int) -> Tensor:
         out, cache = model(tokens[:, start : start + block], cache)
         outs.append(out)
     return torch.cat(outs, dim=1)
+
+
+def distances_that_move(model, tokens: Tensor, t: int, distances) -> list[bool]:
+    """For each distance d, whether changing token t - d changes the output at position t."""
+    with torch.no_grad():
+        base = model(tokens)[0][0, t]
+        moved = []
+        for distance in distances:
+            changed = tokens.clone()
+            changed[0, t - distance] = (changed[0, t - distance] + 7) % model.config.vocab_size
+            moved.append(not torch.allclose(model(changed)[0][0, t], base, atol=1e-6))
+    return moved

@@ -140,10 +140,12 @@ class SpanAttention(nn.Module):
         longest = max(windows)
         states = torch.cat([fit_cache(cache, longest).to(x), x], dim=1)  # (B, W + M, D)
         q = self.q(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
+        kv_weight = torch.cat([self.k.weight, self.v.weight])  # rows: all of W_k, then W_v
         outputs, order = [], []
         for w, heads in _group(windows):
             zg = None if z is None else z[:, heads]
-            outputs.append(self._attend(q[:, heads], states[:, longest - w :], heads, w, zg))
+            outputs.append(
+                self._attend(q[:, heads], states[:, longest - w :], kv_weight, heads, w, zg))
             order += heads
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
         if order != sorted(order):
@@ -151,12 +153,14 @@ class SpanAttention(nn.Module):
         y = self.o(out.transpose(1, 2).reshape(B, M, -1))
         return y, states[:, -longest:].detach()
 
-    def _attend(self, q: Tensor, states: Tensor, heads: list[int], w: int, z) -> Tensor:
+    def _attend(
+        self, q: Tensor, states: Tensor, weight: Tensor, heads: list[int], w: int, z
+    ) -> Tensor:
         """Attention of the heads ``heads`` over ``states`` (B, w + M, D).
 
-        Keys and values of these heads only, from one product with their rows of W_k and W_v.
+        Keys and values of these heads only, from one product with their rows of ``weight``
+        (W_k stacked on W_v).
         """
-        weight = torch.cat([self.k.weight, self.v.weight])
         if len(heads) != self.n_heads:
             rows = torch.arange(self.d_head, device=weight.device)
             rows = torch.cat([rows + h * self.d_head for h in heads])
