@@ -65,9 +65,9 @@ def reference_attention(attn: SpanAttention, x: Tensor, cache: Tensor) -> Tensor
     return out
 
 
-def run_blocks(model, tokens: Tensor, block: int) -> Tensor:
+def run_blocks(model, tokens: Tensor, block: int, keys_values: bool = False) -> Tensor:
     """Log-probabilities of a model reading ``tokens`` block by block with its cache."""
-    cache, outs = model.empty_cache(tokens.shape[0]), []
+    cache, outs = model.empty_cache(tokens.shape[0], keys_values), []
     for start in range(0, tokens.shape[1], block):
         out, cache = model(tokens[:, start : start + block], cache)
         outs.append(out)

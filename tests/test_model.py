@@ -56,6 +56,47 @@ def test_block_by_block_equals_one_pass(kind):
 
 
 @pytest.mark.parametrize("kind", ATTENTIONS)
+@pytest.mark.parametrize("truncation", ["head", "layer", "none"])
+def test_key_value_cache_equals_hidden_state_cache(kind, truncation):
+    model = tiny(kind, truncation=truncation, factorized_stride=16, factorized_c=4)
+    tokens = torch.randint(0, 32, (2, 150))
+    with torch.no_grad():
+        for block in (25, 7, 1):
+            part = tokens[:, : 6 * block]
+            torch.testing.assert_close(run_blocks(model, part, block, keys_values=True),
+                                       run_blocks(model, part, block), atol=1e-5, rtol=1e-5)
+
+
+def test_key_value_cache_is_trimmed_per_layer_and_refused_in_training():
+    model = tiny("adaptive")
+    with torch.no_grad():
+        _, cache = model(torch.randint(0, 32, (2, 70)), model.empty_cache(2, keys_values=True))
+    for layer, layer_cache in zip(model.layers, cache, strict=True):
+        longest = max(layer.attn.key_windows(layer.attn.span(None)))
+        assert layer_cache.keys.shape == layer_cache.values.shape == (2, 4, longest, 4)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        model(torch.randint(0, 32, (2, 5)), cache)
+
+
+def test_dynamic_cache_keeps_history_for_longer_later_spans():
+    """A dynamic span can grow from one block to the next: the cache must still hold it."""
+    model = tiny("dynamic", n_layers=1, max_span=48)
+    span = model.layers[0].attn.span
+    with torch.no_grad():  # z_t follows the token: token 0 -> span ~R, token 1 -> span ~S
+        span.v.zero_()
+        span.b.fill_(0.0)
+        span.v[:, :] = model.embed.weight[1] - model.embed.weight[0]
+    tokens = torch.cat([torch.zeros(1, 40, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)],
+                       dim=1)
+    with torch.no_grad():
+        short = span(model.embed(tokens[:, :40]))
+        assert short.max() < 8 and span(model.embed(tokens[:, 40:])).min() > 40
+        for keys_values in (False, True):
+            torch.testing.assert_close(run_blocks(model, tokens, 40, keys_values),
+                                       run_blocks(model, tokens, 48), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ATTENTIONS)
 def test_causal(kind):
     model = tiny(kind, factorized_stride=16, factorized_c=4)
     tokens = torch.randint(0, 32, (1, 40))

@@ -15,6 +15,7 @@ the keys of its window (``truncation="head"``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -96,32 +97,69 @@ def banded_attention(
     return out.flatten(2, 3)[:, :, :M]
 
 
-def fit_cache(cache: Tensor, length: int) -> Tensor:
-    """The last ``length`` cached states; missing history is left-padded with zeros."""
-    have = cache.shape[1]
+def fit_cache(cache: Tensor, length: int, dim: int = 1) -> Tensor:
+    """The last ``length`` cached positions along ``dim``; missing history is left-padded with
+    zeros (zero states, whose keys and values are zero too: the projections have no bias)."""
+    have = cache.shape[dim]
     if have >= length:
-        return cache[:, have - length :]
-    return F.pad(cache, (0, 0, length - have, 0))
+        return cache.narrow(dim, have - length, length)
+    return F.pad(cache, [0, 0] * (cache.dim() - 1 - dim) + [length - have, 0])
 
 
-class SpanAttention(nn.Module):
+class KeyValueCache(NamedTuple):
+    """Keys and values of the cached positions, per head: each (B, H, C, d_head).
+
+    For inference only (under ``torch.no_grad()``): with the weights fixed, the keys of past
+    positions do not change, so each block projects its own tokens only. Training caches hidden
+    states instead, whose keys are recomputed with the current weights (and get gradients).
+    """
+
+    keys: Tensor
+    values: Tensor
+
+
+class Attention(nn.Module):
+    """Interface of every attention variant (see ``adaspan.model.ATTENTION_TYPES``).
+
+    ``forward(x, cache)`` takes the block ``x`` (B, M, D) and the layer's cache and returns the
+    output and the new cache; ``span`` is a :class:`Span`; ``empty_cache`` starts a stream.
+    """
+
+    d_model: int
+
+    def empty_cache(self, batch_size: int, keys_values: bool = False) -> Tensor | KeyValueCache:
+        """Cache of a stream's start: no history (read as zero hidden states). This variant
+        always caches hidden states, whatever ``keys_values``."""
+        return next(self.parameters()).new_zeros(batch_size, 0, self.d_model)
+
+
+class SpanAttention(Attention):
     """Multi-head attention whose heads see at most their span of past tokens.
 
-    ``forward(x, cache)`` takes the block ``x`` (B, M, D) and the previous hidden states
-    ``cache`` (B, C, D) and returns the output and the new cache (what this layer's heads can
-    still see next block).
+    ``forward(x, cache)`` takes the block ``x`` (B, M, D) and either the previous hidden states
+    (B, C, D) or, at inference, a :class:`KeyValueCache`, and returns the output and the new
+    cache of the same kind: what this layer's heads can still see next block (for dynamic
+    spans, which depend on the next tokens, the last S positions).
     """
 
     def __init__(self, config: ModelConfig, span: Span) -> None:
         super().__init__()
         d, self.n_heads, self.d_head = config.d_model, config.n_heads, config.d_head
-        self.max_span, self.ramp, self.bucket = config.max_span, config.ramp, config.span_bucket
-        self.truncation, self.dropout = config.truncation, config.dropout
+        self.d_model, self.max_span, self.ramp = d, config.max_span, config.ramp
+        self.bucket, self.truncation, self.dropout = (config.span_bucket, config.truncation,
+                                                      config.dropout)
         self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
         for proj in (self.q, self.k, self.v, self.o):  # paper: U(-1/sqrt(d), 1/sqrt(d))
             nn.init.uniform_(proj.weight, -(d**-0.5), d**-0.5)
         self.pos = nn.Parameter(torch.randn(config.max_span, config.d_head))  # p_d, d = 1..S
         self.span = span
+
+    def empty_cache(self, batch_size: int, keys_values: bool = False) -> Tensor | KeyValueCache:
+        """No history; ``keys_values=True`` gives a :class:`KeyValueCache` (inference only)."""
+        if not keys_values:
+            return super().empty_cache(batch_size)
+        empty = self.pos.new_zeros(batch_size, self.n_heads, 0, self.d_head)
+        return KeyValueCache(empty, empty)
 
     def key_windows(self, z: Tensor | None) -> list[int]:
         """Number of past keys each head reads, after truncation and bucketing."""
@@ -133,42 +171,68 @@ class SpanAttention(nn.Module):
             return [max(windows)] * self.n_heads
         return windows
 
-    def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, cache: Tensor | KeyValueCache
+    ) -> tuple[Tensor, Tensor | KeyValueCache]:
         B, M, _ = x.shape
         z = self.span(x)
         windows = self.key_windows(z)
-        longest = max(windows)
-        states = torch.cat([fit_cache(cache, longest).to(x), x], dim=1)  # (B, W + M, D)
+        history = self.max_span if self.span.input_dependent else max(windows)
+        if isinstance(cache, KeyValueCache):
+            keys_values, new_cache = self._cached_keys_values(x, cache, history)
+        else:
+            keys_values, new_cache = self._projected_keys_values(x, cache, history)
         q = self.q(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
-        kv_weight = torch.cat([self.k.weight, self.v.weight])  # rows: all of W_k, then W_v
         outputs, order = [], []
         for w, heads in _group(windows):
+            k, v = keys_values(heads, history - w)
             zg = None if z is None else z[:, heads]
-            outputs.append(
-                self._attend(q[:, heads], states[:, longest - w :], kv_weight, heads, w, zg))
+            outputs.append(banded_attention(q[:, heads], k, v, self.pos[:w], zg, self.ramp,
+                                            self.dropout, self.training))
             order += heads
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
         if order != sorted(order):
             out = out[:, torch.tensor(order, device=x.device).argsort()]
-        y = self.o(out.transpose(1, 2).reshape(B, M, -1))
-        return y, states[:, -longest:].detach()
+        return self.o(out.transpose(1, 2).reshape(B, M, -1)), new_cache
 
-    def _attend(
-        self, q: Tensor, states: Tensor, weight: Tensor, heads: list[int], w: int, z
-    ) -> Tensor:
-        """Attention of the heads ``heads`` over ``states`` (B, w + M, D).
+    def _projected_keys_values(self, x: Tensor, cache: Tensor, history: int):
+        """Keys/values from the cached hidden states, projected per head group (training)."""
+        states = torch.cat([fit_cache(cache, history).to(x), x], dim=1)  # (B, history + M, D)
+        weight = torch.cat([self.k.weight, self.v.weight])  # rows: all of W_k, then W_v
 
-        Keys and values of these heads only, from one product with their rows of ``weight``
-        (W_k stacked on W_v).
-        """
+        def keys_values(heads: list[int], start: int) -> tuple[Tensor, Tensor]:
+            return self._project(states[:, start:], weight, heads)
+
+        return keys_values, states[:, -history:].detach()
+
+    def _cached_keys_values(self, x: Tensor, cache: KeyValueCache, history: int):
+        """Keys/values of the cache extended by those of the block's own tokens (inference)."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "a KeyValueCache is for inference under torch.no_grad(): in training the keys "
+                "of cached positions are recomputed with the current weights, so pass hidden "
+                "states (model.empty_cache(batch_size)) instead")
+        new_k, new_v = self._project(x, torch.cat([self.k.weight, self.v.weight]),
+                                     list(range(self.n_heads)))
+        keys, values = (torch.cat([fit_cache(old, history, dim=2).to(new), new], dim=2)
+                        for old, new in ((cache.keys, new_k), (cache.values, new_v)))
+
+        def keys_values(heads: list[int], start: int) -> tuple[Tensor, Tensor]:
+            return keys[:, heads, start:], values[:, heads, start:]
+
+        return keys_values, KeyValueCache(keys[:, :, -history:], values[:, :, -history:])
+
+    def _project(self, states: Tensor, weight: Tensor, heads: list[int]) -> tuple[Tensor, Tensor]:
+        """Keys and values (each (B, len(heads), T, d_head)) of ``states`` (B, T, D) for the heads
+        ``heads``, from one product with their rows of ``weight`` (W_k stacked on W_v)."""
         if len(heads) != self.n_heads:
             rows = torch.arange(self.d_head, device=weight.device)
             rows = torch.cat([rows + h * self.d_head for h in heads])
             weight = weight[torch.cat([rows, rows + self.n_heads * self.d_head])]
         B, T, _ = states.shape
         kv = F.linear(states, weight).view(B, T, 2, len(heads), self.d_head)
-        k, v = kv.permute(2, 0, 3, 1, 4)  # each (B, H_group, T, d_head)
-        return banded_attention(q, k, v, self.pos[:w], z, self.ramp, self.dropout, self.training)
+        k, v = kv.permute(2, 0, 3, 1, 4)
+        return k, v
 
 
 def _group(windows: list[int]) -> list[tuple[int, list[int]]]:

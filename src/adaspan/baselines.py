@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import SpanAttention, banded_attention, fit_cache, skew
+from .attention import Attention, SpanAttention, banded_attention, fit_cache, skew
 from .config import ModelConfig
 from .span import FixedSpan
 
@@ -64,6 +64,8 @@ class VanillaAttention(SpanAttention):
     cache is empty. Cost: about M * min(S, M) / 2 scores per head, whatever S.
     """
 
+    empty_cache = Attention.empty_cache  # no history is ever read
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, FixedSpan(config.n_heads, config.max_span, config.ramp))
 
@@ -83,7 +85,7 @@ class VanillaAttention(SpanAttention):
         return y, x.new_zeros(B, 0, x.shape[2])
 
 
-class XLAttention(nn.Module):
+class XLAttention(Attention):
     """Transformer-XL attention (Dai et al. 2019, §3.3) over a memory of S = ``max_span`` states.
 
     Query i attends to itself and the S positions before it (distance d = i - j in 0..S, as in
@@ -102,6 +104,7 @@ class XLAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, self.n_heads, self.d_head = config.d_model, config.n_heads, config.d_head
+        self.d_model = d
         self.max_span, self.dropout = config.max_span, config.dropout
         self.q, self.k, self.v, self.o, self.r = (_projection(d) for _ in range(5))
         self.content_bias = nn.Parameter(torch.zeros(self.n_heads, self.d_head))  # u
@@ -143,7 +146,7 @@ class XLAttention(nn.Module):
         return q, k, r
 
 
-class FactorizedAttention(nn.Module):
+class FactorizedAttention(Attention):
     """Sparse Transformer "fixed" factorized attention (Child et al. 2019), stride l, c summaries.
 
     Heads alternate between the two sets of the pattern (even heads A(1), odd heads A(2)):
@@ -179,6 +182,7 @@ class FactorizedAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, self.n_heads, self.d_head = config.d_model, config.n_heads, config.d_head
+        self.d_model = d
         self.max_span, self.dropout = config.max_span, config.dropout
         self.stride, self.c = config.factorized_stride, config.factorized_c
         self.q, self.k, self.v, self.o = (_projection(d) for _ in range(4))

@@ -117,7 +117,7 @@ def _time_train(model, batch_size, block_size, steps, device, autocast) -> float
 @torch.no_grad()
 def _time_eval(model, batch_size, block_size, steps, device, autocast) -> float:
     model.eval()
-    cache = [model.empty_cache(batch_size)]
+    cache = [model.empty_cache(batch_size, keys_values=True)]
 
     def step() -> None:
         tokens = torch.randint(0, model.config.vocab_size, (batch_size, block_size),
@@ -133,7 +133,8 @@ def _time_generation(model, block_size, gen_chars, device) -> float:
     """Seconds per generated character (batch 1, the cache filled by a first block)."""
     model.eval()
     vocab = model.config.vocab_size
-    _, cache = model(torch.randint(0, vocab, (1, block_size), device=device))
+    prompt = torch.randint(0, vocab, (1, block_size), device=device)
+    _, cache = model(prompt, model.empty_cache(1, keys_values=True))
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
     model(token, cache)  # warm-up
     start = time.perf_counter()

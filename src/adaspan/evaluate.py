@@ -51,7 +51,7 @@ def evaluate(
         autocast = torch.autocast(device.type, torch.bfloat16, enabled=dtype == "bfloat16")
         with torch.no_grad(), autocast, tqdm(total=total_chars, unit="char", unit_scale=True,
                                    desc="evaluating", disable=None if progress else True) as bar:
-            cache = model.empty_cache(batch_size)
+            cache = model.empty_cache(batch_size, keys_values=True)
             for _, x, y in islice(stream.blocks(), n_blocks):
                 log_probs, cache = model(x.to(device), cache)
                 target_log_probs = log_probs.gather(-1, y.to(device).unsqueeze(-1))

@@ -18,9 +18,9 @@ def generate(
 ) -> bytes:
     """Continue ``prompt`` by ``length`` bytes sampled from the model.
 
-    The prompt is read as one block; then each new byte is a block of one token whose keys are
-    the cached states, so the cost per byte follows the heads' spans. ``temperature`` scales the
-    logits (0 = greedy); ``top_k`` keeps only the k most likely bytes.
+    The prompt is read as one block; then each new byte is a block of one token that attends to
+    the cached keys and values, so the cost per byte follows the heads' spans. ``temperature``
+    scales the logits (0 = greedy); ``top_k`` keeps only the k most likely bytes.
     """
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
@@ -32,7 +32,7 @@ def generate(
     model.eval()
     device = model.embed.weight.device
     context = torch.tensor(list(prompt or b"\n"), dtype=torch.long, device=device)[None]
-    log_probs, cache = model(context)
+    log_probs, cache = model(context, model.empty_cache(1, keys_values=True))
     out = bytearray()
     for _ in range(length):
         token = _sample(log_probs[0, -1], temperature, top_k, generator)

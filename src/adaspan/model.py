@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import SpanAttention
+from .attention import KeyValueCache, SpanAttention
 from .baselines import FactorizedAttention, VanillaAttention, XLAttention
 from .config import ModelConfig
 from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span
 
-Cache = list[Tensor]
+Cache = list[Tensor | KeyValueCache]
 
 
 def _span_attention(span: Callable[[ModelConfig], Span]) -> Callable[[ModelConfig], nn.Module]:
@@ -67,7 +67,9 @@ class Layer(nn.Module):
         self.ff = FeedForward(config)
         self.norm2 = nn.LayerNorm(config.d_model)
 
-    def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, cache: Tensor | KeyValueCache
+    ) -> tuple[Tensor, Tensor | KeyValueCache]:
         attended, cache = self.attn(x, cache)
         h = self.norm1(x + attended)
         return self.norm2(h + self.ff(h)), cache
@@ -99,10 +101,14 @@ class SpanLM(nn.Module):
             new_cache.append(layer_cache)
         return F.log_softmax(self.out(h), dim=-1), new_cache
 
-    def empty_cache(self, batch_size: int) -> Cache:
-        """Cache for the start of a stream: no history (attended as zero hidden states)."""
-        weight = self.embed.weight
-        return [weight.new_zeros(batch_size, 0, self.config.d_model) for _ in self.layers]
+    def empty_cache(self, batch_size: int, keys_values: bool = False) -> Cache:
+        """Cache for the start of a stream: no history (attended as zero hidden states).
+
+        ``keys_values=True`` caches projected keys and values instead of hidden states where
+        the attention supports it: exact and faster for inference under ``torch.no_grad()``
+        (evaluation, generation), refused in training.
+        """
+        return [layer.attn.empty_cache(batch_size, keys_values) for layer in self.layers]
 
     def span_loss(self) -> Tensor:
         """Span penalty lambda / M * sum_i z_i over all heads of all layers (paper §2.2)."""

@@ -38,6 +38,8 @@ class Span(nn.Module):
     to (B, H, M), or ``None`` when the heads are unmasked (fixed span).
     """
 
+    input_dependent = False  # True when z depends on the tokens (then unknown in advance)
+
     def __init__(self, n_heads: int, max_span: int, ramp: int) -> None:
         super().__init__()
         self.n_heads, self.max_span, self.ramp = n_heads, max_span, ramp
@@ -119,6 +121,8 @@ class DynamicSpan(Span):
     ``b`` starts at ``bias_init`` (paper: -4) so that initial spans are short. The penalty uses
     the spans of the most recent forward pass, averaged over the tokens of that pass.
     """
+
+    input_dependent = True
 
     def __init__(
         self, n_heads: int, max_span: int, ramp: int, d_model: int, bias_init: float = -4.0
