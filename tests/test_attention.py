@@ -7,7 +7,7 @@ import torch
 from reference import reference_attention
 
 from adaspan import ModelConfig, soft_mask
-from adaspan.attention import SpanAttention, skew
+from adaspan.attention import SpanAttention, banded_attention, skew
 from adaspan.config import ATTENTIONS
 from adaspan.model import ATTENTION_TYPES
 
@@ -128,3 +128,23 @@ def test_short_spans_read_few_keys():
     assert attn.key_windows(attn.span(torch.randn(1, 3, 16))) == [8, 8, 8, 104]
     attn.truncation = "layer"
     assert attn.key_windows(attn.span(torch.randn(1, 3, 16))) == [104] * 4
+
+
+@pytest.mark.parametrize("z_shape", [None, (1, 3, 1), (2, 3, 5)])
+def test_one_query_path_equals_chunked_path(z_shape):
+    """The single-query fast path (generation) gives the last row of the chunked computation."""
+    torch.manual_seed(2)
+    w, M = 40, 5
+    q = torch.randn(2, 3, M, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, w + M, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    pos = torch.randn(w, 8, dtype=torch.float64, requires_grad=True)
+    z = None if z_shape is None else (torch.rand(z_shape, dtype=torch.float64) * 30 + 0.5)
+    z_last = None if z is None else z[..., -1:]
+    inputs = (q, k, v, pos)
+    chunked = banded_attention(q, k, v, pos, z, ramp=8)[:, :, -1:]
+    one = banded_attention(q[:, :, -1:], k[:, :, M - 1 :], v[:, :, M - 1 :], pos, z_last, ramp=8)
+    torch.testing.assert_close(one, chunked)
+    weights = torch.randn_like(one)
+    grads = [torch.autograd.grad((out * weights).sum(), inputs) for out in (one, chunked)]
+    for got, expected in zip(*grads, strict=True):
+        torch.testing.assert_close(got, expected)

@@ -71,6 +71,8 @@ def banded_attention(
     """
     B, H, M, dh = q.shape
     w = pos.shape[0]
+    if M == 1:
+        return _one_query_attention(q, k, v, pos, z, ramp, dropout, training)
     c = chunk_size(M, w)
     n = -(-M // c)
     if n * c != M:
@@ -95,6 +97,22 @@ def banded_attention(
     v_win = v.unfold(2, length, c)[:, :, :n]  # (B, H, n, dh, L)
     out = attn @ v_win.transpose(-1, -2)  # eq. 3, (B, H, n, c, dh)
     return out.flatten(2, 3)[:, :, :M]
+
+
+def _one_query_attention(
+    q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None, ramp: int,
+    dropout: float, training: bool,
+) -> Tensor:
+    """:func:`banded_attention` of a single query (generation): keys 0 .. w-1 at distances
+    w .. 1, scored directly, without chunks or skew."""
+    w = pos.shape[0]
+    q = q * q.shape[-1] ** -0.5
+    scores = q @ k[:, :, :w].transpose(-1, -2) + (q @ pos.t()).flip(-1)  # eq. 1
+    if z is not None:
+        distance = torch.arange(w, 0, -1, device=q.device, dtype=z.dtype)
+        scores = scores + log_soft_mask(distance, z[..., None], ramp)  # eq. 2
+    attn = F.dropout(torch.softmax(scores, dim=-1), dropout, training)
+    return attn @ v[:, :, :w]  # eq. 3
 
 
 def fit_cache(cache: Tensor, length: int, dim: int = 1) -> Tensor:
@@ -186,9 +204,9 @@ class SpanAttention(Attention):
         outputs, order = [], []
         for w, heads in _group(windows):
             k, v = keys_values(heads, history - w)
-            zg = None if z is None else z[:, heads]
-            outputs.append(banded_attention(q[:, heads], k, v, self.pos[:w], zg, self.ramp,
-                                            self.dropout, self.training))
+            zg = None if z is None else z[:, _index(heads)]
+            outputs.append(banded_attention(q[:, _index(heads)], k, v, self.pos[:w], zg,
+                                            self.ramp, self.dropout, self.training))
             order += heads
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
         if order != sorted(order):
@@ -218,7 +236,7 @@ class SpanAttention(Attention):
                         for old, new in ((cache.keys, new_k), (cache.values, new_v)))
 
         def keys_values(heads: list[int], start: int) -> tuple[Tensor, Tensor]:
-            return keys[:, heads, start:], values[:, heads, start:]
+            return keys[:, _index(heads), start:], values[:, _index(heads), start:]
 
         return keys_values, KeyValueCache(keys[:, :, -history:], values[:, :, -history:])
 
@@ -233,6 +251,13 @@ class SpanAttention(Attention):
         kv = F.linear(states, weight).view(B, T, 2, len(heads), self.d_head)
         k, v = kv.permute(2, 0, 3, 1, 4)
         return k, v
+
+
+def _index(heads: list[int]) -> slice | list[int]:
+    """``heads`` as a slice (a view, no copy) when they are consecutive."""
+    if heads == list(range(heads[0], heads[-1] + 1)):
+        return slice(heads[0], heads[-1] + 1)
+    return heads
 
 
 def _group(windows: list[int]) -> list[tuple[int, list[int]]]:
