@@ -1,6 +1,7 @@
 """Measure the performance targets in one run and print them as JSON and a Markdown table.
 
 Usage: python scripts/bench_table.py [--steps 3] [--out docs/bench.json]
+       python scripts/bench_table.py --from docs/bench.json   # reprint the tables only
 
 Each configuration runs in its own `adaspan bench` process (so peak RSS is per configuration),
 one after the other. Reference config: 4 layers, d 256, 4 heads, FF 1024, block 256, batch 8,
@@ -28,6 +29,7 @@ CONFIGS = {
     "adaptive S=4096, all spans 32": (["max_span=4096"], "32"),
     "fixed S=4096": (["max_span=4096"], "fixed"),
 }
+ADAPTIVE = "adaptive S=8192, spans 32/64/128/1024"
 AUTHORS = {  # train, eval chars/s of the authors' code on this machine, same config
     "adaptive S=8192, spans 32/64/128/1024": (2200, 9200),
     "fixed S=8192": (160, 360),
@@ -46,7 +48,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--from", dest="source", type=Path, help="print the tables of a JSON")
     args = parser.parse_args()
+    if args.source:
+        results = json.loads(args.source.read_text())
+        print(table(results) + "\n\n" + targets(results))
+        return
     results = {}
     for name, (model, spans, *dtype) in CONFIGS.items():
         results[name] = run(model, spans, *dtype, steps=args.steps)
@@ -54,7 +61,7 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
-    print(table(results))
+    print(table(results) + "\n\n" + targets(results))
 
 
 def table(results: dict) -> str:
@@ -70,6 +77,39 @@ def table(results: dict) -> str:
     rate = max(r["matmul_gflops"] for r in results.values())
     rows.append(f"\nMeasured fp32 matmul rate (2048² product): {rate:.0f} GFLOP/s.")
     return "\n".join(rows)
+
+
+def targets(results: dict) -> str:
+    """The issue's targets, as ratios of the figures measured in this run."""
+    ada, fixed8k = results[ADAPTIVE], results["fixed S=8192"]
+    fixed1k, bf16 = results["fixed S=1024"], results["same, bfloat16 autocast"]
+    rate = max(r["matmul_gflops"] for r in results.values())
+    authors_train, authors_eval = AUTHORS[ADAPTIVE]
+    rows = [
+        ("adaptive, spans 32/64/128/1024, S=8192: train >= 1.5x authors",
+         ada["train_chars_per_s"] / authors_train, 1.5),
+        ("same: eval >= 2x authors", ada["eval_chars_per_s"] / authors_eval, 2.0),
+        ("same, bfloat16 autocast: eval >= 2x authors", bf16["eval_chars_per_s"] / authors_eval,
+         2.0),
+        ("same vs adaspan fixed S=8192: train >= 10x",
+         ada["train_chars_per_s"] / fixed8k["train_chars_per_s"], 10.0),
+        ("same vs adaspan fixed S=8192: eval >= 20x",
+         ada["eval_chars_per_s"] / fixed8k["eval_chars_per_s"], 20.0),
+        ("same: peak memory <= 1.2x fixed S=1024",
+         ada["peak_memory_mb"] / fixed1k["peak_memory_mb"], -1.2),
+        ("fixed S=1024: train >= 1.0x authors",
+         fixed1k["train_chars_per_s"] / AUTHORS["fixed S=1024"][0], 1.0),
+        ("fixed S=1024: train >= 40% of the matmul rate (model FLOPs)",
+         fixed1k["train_gflops"] / rate, 0.4),
+        ("generation, short spans vs fixed, S=8192: >= 5x",
+         ada["generate_chars_per_s"] / fixed8k["generate_chars_per_s"], 5.0),
+    ]
+    lines = ["| target (issue #5) | measured | |", "|---|---:|---|"]
+    for name, value, bound in rows:
+        met = value <= -bound if bound < 0 else value >= bound
+        shown = f"{value:.0%}" if name.endswith("(model FLOPs)") else f"{value:.2f}x"
+        lines.append(f"| {name} | **{shown}** | {'met' if met else 'not met'} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
