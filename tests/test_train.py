@@ -262,8 +262,8 @@ def test_batch_split_gives_the_full_batch_gradient(optimizer, lr):
             torch.testing.assert_close(grads1[name], grads2[name], atol=1e-6, rtol=0)
         for a, b in zip(cache1, cache2, strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-    for name in state1:
-        torch.testing.assert_close(state1[name], state2[name], atol=1e-6, rtol=0)
+    for name in state1:  # parameters after two steps: fp32 rounding of sums in another order
+        torch.testing.assert_close(state1[name], state2[name], atol=1e-6, rtol=1e-5)
 
 
 def test_merge_rows_left_pads_shorter_caches_with_zeros():

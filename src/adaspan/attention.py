@@ -214,14 +214,18 @@ class SpanAttention(Attention):
         return self.o(out.transpose(1, 2).reshape(B, M, -1)), new_cache
 
     def _projected_keys_values(self, x: Tensor, cache: Tensor, history: int):
-        """Keys/values from the cached hidden states, projected per head group (training)."""
-        states = torch.cat([fit_cache(cache, history).to(x), x], dim=1)  # (B, history + M, D)
+        """Keys/values from the cached hidden states, projected per head group (training).
+
+        Cached states and the block are projected separately: the cache needs no input
+        gradient, so the backward pass computes one only for the block's own rows.
+        """
+        past = fit_cache(cache, history).to(x)  # (B, history, D)
         weight = torch.cat([self.k.weight, self.v.weight])  # rows: all of W_k, then W_v
 
         def keys_values(heads: list[int], start: int) -> tuple[Tensor, Tensor]:
-            return self._project(states[:, start:], weight, heads)
+            return self._project(past[:, start:], weight, heads, x)
 
-        return keys_values, states[:, -history:].detach()
+        return keys_values, torch.cat([past, x.detach()], dim=1)[:, -history:]
 
     def _cached_keys_values(self, x: Tensor, cache: KeyValueCache, history: int):
         """Keys/values of the cache extended by those of the block's own tokens (inference)."""
@@ -240,16 +244,21 @@ class SpanAttention(Attention):
 
         return keys_values, KeyValueCache(keys[:, :, -history:], values[:, :, -history:])
 
-    def _project(self, states: Tensor, weight: Tensor, heads: list[int]) -> tuple[Tensor, Tensor]:
-        """Keys and values (each (B, len(heads), T, d_head)) of ``states`` (B, T, D) for the heads
-        ``heads``, from one product with their rows of ``weight`` (W_k stacked on W_v)."""
+    def _project(
+        self, states: Tensor, weight: Tensor, heads: list[int], block: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Keys and values (each (B, len(heads), T, d_head)) of ``states`` (B, T, D), followed
+        by those of ``block`` if given, for the heads ``heads``: products with their rows of
+        ``weight`` (W_k stacked on W_v)."""
         if len(heads) != self.n_heads:
             rows = torch.arange(self.d_head, device=weight.device)
             rows = torch.cat([rows + h * self.d_head for h in heads])
             weight = weight[torch.cat([rows, rows + self.n_heads * self.d_head])]
-        B, T, _ = states.shape
-        kv = F.linear(states, weight).view(B, T, 2, len(heads), self.d_head)
-        k, v = kv.permute(2, 0, 3, 1, 4)
+        kv = F.linear(states, weight)
+        if block is not None:
+            kv = torch.cat([kv, F.linear(block, weight)], dim=1)
+        B, T, _ = kv.shape
+        k, v = kv.view(B, T, 2, len(heads), self.d_head).permute(2, 0, 3, 1, 4)
         return k, v
 
 
