@@ -7,7 +7,7 @@ import torch
 from reference import reference_attention
 
 from adaspan import ModelConfig, soft_mask
-from adaspan.attention import SpanAttention, banded_attention, skew
+from adaspan.attention import SpanAttention, banded_attention, ramp_columns, skew
 from adaspan.config import ATTENTIONS
 from adaspan.model import ATTENTION_TYPES
 
@@ -148,3 +148,36 @@ def test_one_query_path_equals_chunked_path(z_shape):
     grads = [torch.autograd.grad((out * weights).sum(), inputs) for out in (one, chunked)]
     for got, expected in zip(*grads, strict=True):
         torch.testing.assert_close(got, expected)
+
+
+def test_skew_of_pieces_and_its_gradient():
+    x = torch.randn(2, 3, 5, 7, dtype=torch.float64, requires_grad=True)
+    pieces = (x[..., :2], x[..., 2:])
+    torch.testing.assert_close(skew(*pieces, fill=-1.0), skew(x, fill=-1.0))
+    assert skew(x, fill=-1.0)[0, 0, 4].tolist() == [-1.0] * 4 + x[0, 0, 4].tolist()
+    torch.autograd.gradcheck(lambda a, b: skew(a, b, fill=3.0), (x[..., :2], x[..., 2:]))
+
+
+@pytest.mark.parametrize("z_shape", [None, (1, 2, 1), (2, 2, 70)])
+def test_banded_attention_gradients_over_several_chunks(z_shape):
+    """70 queries over 40 keys: three chunks of 32 (the last padded), overlapping windows."""
+    torch.manual_seed(3)
+    w, M = 40, 70
+    q = torch.randn(2, 2, M, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, w + M, 4, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    pos = torch.randn(w, 4, dtype=torch.float64, requires_grad=True)
+    inputs = [q, k, v, pos]
+    if z_shape is not None:  # spans away from the mask's kinks (z + R not an integer)
+        z = (torch.rand(z_shape, dtype=torch.float64) * 25 + 3).floor() + 0.5
+        inputs.append(z.requires_grad_())
+    assert torch.autograd.gradcheck(
+        lambda *t: banded_attention(*t[:4], t[4] if len(t) > 4 else None, ramp=8), inputs)
+
+
+def test_mask_is_added_only_where_it_is_below_one():
+    z = torch.tensor([[5.0], [12.5], [30.0]])
+    width = ramp_columns(40, z)
+    distances = torch.arange(40, 0, -1, dtype=torch.float64)  # column j holds distance 40 - j
+    mask = soft_mask(distances, z, 8)
+    assert (mask[:, width:] == 1).all() and (mask[:, width - 1] < 1).any()
+    assert ramp_columns(40, torch.tensor([45.0])) == 0

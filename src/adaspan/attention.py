@@ -25,14 +25,58 @@ from .config import ModelConfig
 from .span import Span, soft_mask
 
 
-def skew(x: Tensor, fill: float = 0.0) -> Tensor:
+def skew(*pieces: Tensor, fill: float = 0.0) -> Tensor:
     """Shift row i of ``x[..., c, w]`` right by i: ``out[..., i, j] = x[..., i, j - i]``.
 
-    Entries with ``j - i`` outside [0, w) are ``fill``. Output shape (..., c, w + c - 1).
+    ``x`` is the concatenation of ``pieces`` along the last dimension (one tensor, or several
+    computed separately). Entries with ``j - i`` outside [0, w) are ``fill``. Output shape
+    (..., c, w + c - 1).
     """
-    c, w = x.shape[-2:]
-    flat = F.pad(x, (0, c), value=fill).flatten(-2)[..., : c * (w + c - 1)]
-    return flat.view(*x.shape[:-2], c, w + c - 1)
+    return _Skew.apply(fill, *pieces)
+
+
+class _Skew(torch.autograd.Function):
+    """:func:`skew` with one copy forward (the pieces and the fill written side by side), and
+    a backward that reads each piece's gradient from the band as a strided view: no copy."""
+
+    @staticmethod
+    def forward(ctx, fill: float, *pieces: Tensor) -> Tensor:
+        lead, c = pieces[0].shape[:-2], pieces[0].shape[-2]
+        ctx.widths = [piece.shape[-1] for piece in pieces]
+        w = sum(ctx.widths)
+        pad = pieces[0].new_full((1,), fill).expand(*lead, c, c)
+        flat = torch.cat([*pieces, pad], dim=-1).flatten(-2)[..., : c * (w + c - 1)]
+        return flat.view(*lead, c, w + c - 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grad = grad.contiguous()  # x[..., i, j] sits at offset i * (length + 1) + j
+        c, length = grad.shape[-2:]
+        stride = (*grad.stride()[:-2], length + 1, 1)
+        grads, offset = [], grad.storage_offset()
+        for width in ctx.widths:
+            grads.append(grad.as_strided((*grad.shape[:-2], c, width), stride, offset))
+            offset += width
+        return (None, *grads)
+
+
+class _Windows(torch.autograd.Function):
+    """``x.unfold(2, length, step)[:, :, :n]``: ``n`` overlapping windows of the positions of
+    ``x`` (B, H, T, dh), as (B, H, n, dh, length). The backward adds each window's gradient back
+    with ``n`` slice additions, cheaper than the generic unfold backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, length: int, step: int, n: int) -> Tensor:
+        ctx.shape, ctx.windows = x.shape, (length, step, n)
+        return x.unfold(2, length, step)[:, :, :n]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        length, step, n = ctx.windows
+        dx = grad.new_zeros(ctx.shape)
+        for i in range(n):
+            dx[:, :, i * step : i * step + length] += grad[:, :, i].transpose(-1, -2)
+        return dx, None, None, None
 
 
 def log_soft_mask(distance: Tensor, z: Tensor, ramp: int) -> Tensor:
@@ -43,6 +87,12 @@ def log_soft_mask(distance: Tensor, z: Tensor, ramp: int) -> Tensor:
     """
     m = soft_mask(distance, z, ramp)
     return torch.where(m > 0, torch.log(m.clamp_min(1e-30)), -math.inf)
+
+
+def ramp_columns(window: int, z: Tensor) -> int:
+    """How many of the ``window`` distances, counted from the farthest (d = window, window - 1,
+    ...), have a mask below 1 for some z in ``z``: those with d > z. Nearer keys have m_z = 1."""
+    return max(0, min(window, math.ceil(window - z.detach().min().item())))
 
 
 def chunk_size(block: int, window: int) -> int:
@@ -75,6 +125,7 @@ def banded_attention(
         return _one_query_attention(q, k, v, pos, z, ramp, dropout, training)
     c = chunk_size(M, w)
     n = -(-M // c)
+    width = 0 if z is None else ramp_columns(w, z)  # distance columns where m_z < 1
     if n * c != M:
         q = F.pad(q, (0, 0, 0, n * c - M))
         k, v = (F.pad(t, (0, 0, 0, n * c - M)) for t in (k, v))
@@ -82,19 +133,21 @@ def banded_attention(
     q = (q * dh**-0.5).unflatten(2, (n, c))  # (B, H, n, c, dh)
     if z is not None:  # per query: (B|1, H, n|1, c|1, 1)
         z = z[..., None, None] if z.shape[-1] == 1 else z.unflatten(-1, (n, c))[..., None]
-    # Position scores q . p_d in "distance layout": column k holds distance d = w - k.
+    # Position scores q . p_d in "distance layout": column j holds distance d = w - j.
     position = q @ pos.flip(0).t()  # (B, H, n, c, w)
-    if z is not None:  # eq. 2: m_z(d) exp(s) = exp(s + log m_z(d)); m_z = 0 -> -inf
-        distance = torch.arange(w, 0, -1, device=q.device, dtype=z.dtype)
-        position = position + log_soft_mask(distance, z, ramp)
+    pieces = [position]
+    if width:  # eq. 2: m_z(d) exp(s) = exp(s + log m_z(d)), added where m_z < 1 only
+        distance = torch.arange(w, w - width, -1, device=q.device, dtype=z.dtype)
+        masked = position[..., :width] + log_soft_mask(distance, z, ramp)
+        pieces = [masked.to(position.dtype), position[..., width:]]
     # Skewed into "key layout" (column j = key t0 + j); -inf fill = outside the band 1 <= d <= w.
-    scores = skew(position, fill=-math.inf).flatten(0, 2)
+    scores = skew(*pieces, fill=-math.inf).flatten(0, 2)
     length = w + c - 1
-    k_win = k.unfold(2, length, c)[:, :, :n].flatten(0, 2)  # (B*H*n, dh, L)
+    k_win = _Windows.apply(k, length, c, n).flatten(0, 2)  # (B*H*n, dh, L)
     scores = torch.baddbmm(scores, q.flatten(0, 2), k_win)  # eq. 1: q . (k_r + p_{t-r})
     attn = torch.softmax(scores, dim=-1).view(B, H, n, c, length)
     attn = F.dropout(attn, dropout, training)
-    v_win = v.unfold(2, length, c)[:, :, :n]  # (B, H, n, dh, L)
+    v_win = _Windows.apply(v, length, c, n)  # (B, H, n, dh, L)
     out = attn @ v_win.transpose(-1, -2)  # eq. 3, (B, H, n, c, dh)
     return out.flatten(2, 3)[:, :, :M]
 
