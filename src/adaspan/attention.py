@@ -287,8 +287,9 @@ class SpanAttention(Attention):
                 "a KeyValueCache is for inference under torch.no_grad(): in training the keys "
                 "of cached positions are recomputed with the current weights, so pass hidden "
                 "states (model.empty_cache(batch_size)) instead")
-        new_k, new_v = self._project(x, torch.cat([self.k.weight, self.v.weight]),
-                                     list(range(self.n_heads)))
+        B, M, _ = x.shape
+        new_k, new_v = (proj(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
+                        for proj in (self.k, self.v))
         keys, values = (torch.cat([fit_cache(old, history, dim=2).to(new), new], dim=2)
                         for old, new in ((cache.keys, new_k), (cache.values, new_v)))
 
