@@ -130,14 +130,19 @@ def test_short_spans_read_few_keys():
     assert attn.key_windows(attn.span(torch.randn(1, 3, 16))) == [104] * 4
 
 
+def banded_inputs(heads: int, M: int, w: int, d_head: int) -> list[torch.Tensor]:
+    """Random float64 q, k, v, pos for :func:`banded_attention`, requiring gradients."""
+    shapes = [(2, heads, M, d_head), (2, heads, w + M, d_head), (2, heads, w + M, d_head),
+              (w, d_head)]
+    return [torch.randn(shape, dtype=torch.float64, requires_grad=True) for shape in shapes]
+
+
 @pytest.mark.parametrize("z_shape", [None, (1, 3, 1), (2, 3, 5)])
 def test_one_query_path_equals_chunked_path(z_shape):
     """The single-query fast path (generation) gives the last row of the chunked computation."""
     torch.manual_seed(2)
     w, M = 40, 5
-    q = torch.randn(2, 3, M, 8, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(2, 3, w + M, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
-    pos = torch.randn(w, 8, dtype=torch.float64, requires_grad=True)
+    q, k, v, pos = banded_inputs(3, M, w, 8)
     z = None if z_shape is None else (torch.rand(z_shape, dtype=torch.float64) * 30 + 0.5)
     z_last = None if z is None else z[..., -1:]
     inputs = (q, k, v, pos)
@@ -162,11 +167,7 @@ def test_skew_of_pieces_and_its_gradient():
 def test_banded_attention_gradients_over_several_chunks(z_shape):
     """70 queries over 40 keys: three chunks of 32 (the last padded), overlapping windows."""
     torch.manual_seed(3)
-    w, M = 40, 70
-    q = torch.randn(2, 2, M, 4, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(2, 2, w + M, 4, dtype=torch.float64, requires_grad=True) for _ in "kv")
-    pos = torch.randn(w, 4, dtype=torch.float64, requires_grad=True)
-    inputs = [q, k, v, pos]
+    inputs = banded_inputs(2, 70, 40, 4)
     if z_shape is not None:  # spans away from the mask's kinks (z + R not an integer)
         z = (torch.rand(z_shape, dtype=torch.float64) * 25 + 3).floor() + 0.5
         inputs.append(z.requires_grad_())
