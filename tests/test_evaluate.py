@@ -84,3 +84,12 @@ def test_mode_is_restored_and_dropout_is_off(training):
 def test_rejects_a_non_positive_max_chars():
     with pytest.raises(ValueError, match="max_chars"):
         evaluate(random_model(), TEXT, max_chars=0)
+
+
+def test_bfloat16_evaluation_is_close_to_float32():
+    model = random_model()
+    full = evaluate(model, TEXT, batch_size=2, block_size=16)
+    half = evaluate(model, TEXT, batch_size=2, block_size=16, dtype="bfloat16")
+    assert half["chars"] == full["chars"]
+    assert half["bpc"] == pytest.approx(full["bpc"], abs=0.05)
+    assert half["bpc"] != full["bpc"]  # autocast did run the products in bf16
