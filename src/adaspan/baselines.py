@@ -114,9 +114,9 @@ class XLAttention(Attention):
     def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
         B, M, D = x.shape
         S, H = self.max_span, self.n_heads
-        states = torch.cat([fit_cache(cache, S).to(x), x], dim=1)  # (B, S + M, D)
+        past = fit_cache(cache, S).to(x)  # (B, S, D); no input gradient: projected apart
         q = _heads(self.q(x), H)
-        k, v = _heads(self.k(states), H), _heads(self.v(states), H)
+        k, v = (_heads(torch.cat([proj(past), proj(x)], dim=1), H) for proj in (self.k, self.v))
         distances = torch.arange(S + 1, device=x.device, dtype=x.dtype)
         r = self.r(sinusoid(distances, D)).view(S + 1, H, self.d_head)  # W_r R_d, d = 0..S
         q, k, r = self._fold_biases(q, k, r)
@@ -130,7 +130,7 @@ class XLAttention(Attention):
             for h in range(H)
         ], dim=1)
         y = self.o(out.transpose(1, 2).reshape(B, M, D))
-        return y, states[:, -S:].detach()
+        return y, torch.cat([past, x.detach()], dim=1)[:, -S:]
 
     def _fold_biases(self, q: Tensor, k: Tensor, r: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Write the score as the product :func:`banded_attention` computes, q' . (k' + r').
