@@ -15,12 +15,12 @@ the keys of its window (``truncation="head"``).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .cache import KeyValueCache, fit_cache
 from .config import ModelConfig
 from .span import Span, soft_mask
 
@@ -168,27 +168,6 @@ def _one_query_attention(
     return attn @ v[:, :, :w]  # eq. 3
 
 
-def fit_cache(cache: Tensor, length: int, dim: int = 1) -> Tensor:
-    """The last ``length`` cached positions along ``dim``; missing history is left-padded with
-    zeros (zero states, whose keys and values are zero too: the projections have no bias)."""
-    have = cache.shape[dim]
-    if have >= length:
-        return cache.narrow(dim, have - length, length)
-    return F.pad(cache, [0, 0] * (cache.dim() - 1 - dim) + [length - have, 0])
-
-
-class KeyValueCache(NamedTuple):
-    """Keys and values of the cached positions, per head: each (B, H, C, d_head).
-
-    For inference only (under ``torch.no_grad()``): with the weights fixed, the keys of past
-    positions do not change, so each block projects its own tokens only. Training caches hidden
-    states instead, whose keys are recomputed with the current weights (and get gradients).
-    """
-
-    keys: Tensor
-    values: Tensor
-
-
 class Attention(nn.Module):
     """Interface of every attention variant (see ``adaspan.model.ATTENTION_TYPES``).
 
@@ -229,8 +208,7 @@ class SpanAttention(Attention):
         """No history; ``keys_values=True`` gives a :class:`KeyValueCache` (inference only)."""
         if not keys_values:
             return super().empty_cache(batch_size)
-        empty = self.pos.new_zeros(batch_size, self.n_heads, 0, self.d_head)
-        return KeyValueCache(empty, empty)
+        return KeyValueCache.empty(self.pos.new_zeros(batch_size, self.n_heads, 0, self.d_head))
 
     def key_windows(self, z: Tensor | None) -> list[int]:
         """Number of past keys each head reads, after truncation and bucketing."""
@@ -290,13 +268,12 @@ class SpanAttention(Attention):
         B, M, _ = x.shape
         new_k, new_v = (proj(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
                         for proj in (self.k, self.v))
-        keys, values = (torch.cat([fit_cache(old, history, dim=2).to(new), new], dim=2)
-                        for old, new in ((cache.keys, new_k), (cache.values, new_v)))
+        keys, values, new_cache = cache.extend(new_k, new_v, history)
 
         def keys_values(heads: list[int], start: int) -> tuple[Tensor, Tensor]:
             return keys[:, _index(heads), start:], values[:, _index(heads), start:]
 
-        return keys_values, KeyValueCache(keys[:, :, -history:], values[:, :, -history:])
+        return keys_values, new_cache
 
     def _project(
         self, states: Tensor, weight: Tensor, heads: list[int], block: Tensor | None = None

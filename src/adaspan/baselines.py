@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import Attention, SpanAttention, banded_attention, fit_cache, skew
+from .attention import Attention, SpanAttention, banded_attention, skew
+from .cache import fit_cache
 from .config import ModelConfig
 from .span import FixedSpan
 

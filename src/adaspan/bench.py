@@ -3,7 +3,7 @@
 Protocol (the same for every configuration): one warm-up step, then ``steps`` timed steps with
 the cache carried from step to step; the median is reported. Training carries hidden states
 (their keys are recomputed with the current weights); evaluation and generation carry keys and
-values (:class:`adaspan.attention.KeyValueCache`).
+values (:class:`adaspan.cache.KeyValueCache`).
 """
 
 from __future__ import annotations

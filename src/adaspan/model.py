@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KeyValueCache, SpanAttention
+from .attention import SpanAttention
 from .baselines import FactorizedAttention, VanillaAttention, XLAttention
+from .cache import KeyValueCache
 from .config import ModelConfig
 from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span
 

@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from .attention import fit_cache
+from .cache import fit_cache
 from .checkpoint import (
     RunDirError,
     TrainingState,
