@@ -5,7 +5,7 @@ projection to log-probabilities. Each layer keeps a cache of the hidden states o
 blocks (Transformer-XL style), trimmed to what its heads can still see, so a stream is processed
 block by block::
 
-    cache = model.empty_cache(batch_size)
+    cache = model.empty_cache(batch_size)  # keys_values=True for inference (see adaspan.cache)
     for block in blocks:
         log_probs, cache = model(block, cache)
 """
