@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import KeyValueCache, fit_cache
+from .cache import KeyValueCache, advance, fit_cache
 from .config import ModelConfig
 from .span import Span, soft_mask
 
@@ -256,7 +256,7 @@ class SpanAttention(Attention):
         def keys_values(heads: list[int], start: int) -> tuple[Tensor, Tensor]:
             return self._project(past[:, start:], weight, heads, x)
 
-        return keys_values, torch.cat([past, x.detach()], dim=1)[:, -history:]
+        return keys_values, advance(past, x, history)
 
     def _cached_keys_values(self, x: Tensor, cache: KeyValueCache, history: int):
         """Keys/values of the cache extended by those of the block's own tokens (inference)."""

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import Attention, SpanAttention, banded_attention, skew
-from .cache import fit_cache
+from .cache import advance, fit_cache
 from .config import ModelConfig
 from .span import FixedSpan
 
@@ -131,7 +131,7 @@ class XLAttention(Attention):
             for h in range(H)
         ], dim=1)
         y = self.o(out.transpose(1, 2).reshape(B, M, D))
-        return y, torch.cat([past, x.detach()], dim=1)[:, -S:]
+        return y, advance(past, x, S)
 
     def _fold_biases(self, q: Tensor, k: Tensor, r: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Write the score as the product :func:`banded_attention` computes, q' . (k' + r').

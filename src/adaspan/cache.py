@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -23,6 +24,12 @@ def fit_cache(cache: Tensor, length: int) -> Tensor:
     if have >= length:
         return cache[:, have - length :]
     return F.pad(cache, (0, 0, length - have, 0))
+
+
+def advance(past: Tensor, block: Tensor, length: int) -> Tensor:
+    """The hidden-state cache for the next block: the last ``length`` states of ``past`` followed
+    by ``block`` (detached: the next step recomputes their keys, no gradient flows back)."""
+    return torch.cat([past, block.detach()], dim=1)[:, -length:]
 
 
 @dataclass(frozen=True)
