@@ -16,7 +16,8 @@ KINDS = ("fixed", "adaptive", "dynamic")
 
 def make_attention(kind: str, truncation: str = "head", max_span: int = 48, **kw) -> SpanAttention:
     cfg = ModelConfig(d_model=16, n_heads=4, n_layers=1, d_inner=32, max_span=max_span, ramp=8,
-                      dropout=0.0, attention=kind, truncation=truncation, span_bucket=8, **kw)
+                      dropout=0.0, attention=kind, truncation=truncation, span_bucket=8,
+                      position_table="layer", **kw)  # standalone: the layer owns its table
     torch.manual_seed(0)
     attn = ATTENTION_TYPES[kind](cfg)
     if kind == "adaptive":

@@ -19,7 +19,8 @@ BASELINES = ("vanilla", "xl", "factorized")
 
 def make_config(kind: str, **kw) -> ModelConfig:
     options = dict(vocab_size=32, d_model=16, n_heads=4, n_layers=2, d_inner=32, max_span=12,
-                   ramp=4, dropout=0.0, attention=kind, factorized_stride=4, factorized_c=2)
+                   ramp=4, dropout=0.0, attention=kind, factorized_stride=4, factorized_c=2,
+                   position_table="layer")  # standalone: vanilla owns its position table
     options.update(kw)
     return ModelConfig(**options)
 

@@ -157,7 +157,7 @@ def layer_inputs(model: SpanLM, tokens: torch.Tensor) -> list[torch.Tensor]:
     inputs, h = [], model.embed(tokens)
     for layer in model.layers:
         inputs.append(h)
-        h, _ = layer(h, torch.zeros(tokens.shape[0], 0, model.config.d_model))
+        h, _ = layer(h, torch.zeros(tokens.shape[0], 0, model.config.d_model), model.pos)
     return inputs
 
 
@@ -185,8 +185,34 @@ def test_initialisation_follows_the_paper():
         assert proj.weight.abs().max() <= bound and proj.bias is None
     assert attn.span.z_frac.tolist() == [0.0] * 4
     assert model.embed.weight.std().item() == pytest.approx(1.0, abs=0.05)
-    assert attn.pos.std().item() == pytest.approx(1.0, abs=0.05)
-    assert attn.pos.shape == (2048, 16)  # one set of position embeddings for all heads
+    assert model.pos.std().item() == pytest.approx(1.0, abs=0.05)
+    assert model.pos.shape == (2048, 16)  # one set of position embeddings for all heads
+
+
+@pytest.mark.parametrize("kind", (*KINDS, "vanilla"))
+def test_one_position_table_per_model(kind):
+    """The paper's single set of p_d: one (S, d_head) parameter, read by every layer."""
+    model = tiny(kind, n_layers=2)
+    tables = [name for name, _ in model.named_parameters() if name.endswith("pos")]
+    assert tables == ["pos"] and model.pos.shape == (64, 4)
+    tokens = torch.randint(0, 32, (1, 40))
+    model(tokens)[0][0, -1].sum().backward()
+    assert model.pos.grad.abs().sum() > 0
+    assert all(layer.attn.pos is None for layer in model.layers)
+    per_layer = tiny(kind, n_layers=2, position_table="layer")
+    assert [n for n, _ in per_layer.named_parameters() if n.endswith("pos")] == [
+        f"layers.{i}.attn.pos" for i in range(2)]
+
+
+def test_every_layer_reads_the_shared_table():
+    model = tiny("adaptive", n_layers=2)
+    h = torch.randn(1, 20, 16)
+    for layer in model.layers:
+        base = layer(h, layer.attn.empty_cache(1), model.pos)[0]
+        moved = layer(h, layer.attn.empty_cache(1), model.pos + torch.randn_like(model.pos))[0]
+        assert not torch.allclose(base, moved)
+        with pytest.raises(ValueError, match="position table"):
+            layer(h, layer.attn.empty_cache(1), None)
 
 
 def test_follows_module_dtype():

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing
+from safetensors.torch import save_file
 
 from adaspan import ModelConfig, SpanLM
 from adaspan.checkpoint import (
@@ -348,3 +349,18 @@ def test_train_config_round_trips_through_a_dict():
     assert TrainConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="stepz"):
         TrainConfig.from_dict({"stepz": 1})
+
+
+def test_runs_of_adaspan_0_1_load_with_their_per_layer_position_tables(tmp_path):
+    """Their config.json has no position_table and their weights one table per layer."""
+    old = SpanLM(dataclasses.replace(MODEL, position_table="layer"))
+    save_file({k: v.contiguous() for k, v in old.state_dict().items()},
+              tmp_path / "model.safetensors")
+    model_options = {k: v for k, v in MODEL.to_dict().items() if k != "position_table"}
+    (tmp_path / "config.json").write_text(json.dumps({
+        "adaspan_version": "0.1.0", "model": model_options,
+        "train": tiny_config("kjv").to_dict()}))
+    loaded = load_model(tmp_path)
+    assert loaded.config.position_table == "layer"
+    tokens = torch.randint(0, 256, (1, 20))
+    torch.testing.assert_close(loaded(tokens)[0], old.eval()(tokens)[0])

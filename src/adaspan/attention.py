@@ -171,9 +171,13 @@ def _one_query_attention(
 class Attention(nn.Module):
     """Interface of every attention variant (see ``adaspan.model.ATTENTION_TYPES``).
 
-    ``forward(x, cache)`` takes the block ``x`` (B, M, D) and the layer's cache and returns the
-    output and the new cache; ``span`` is a :class:`Span`; ``empty_cache`` starts a stream.
+    ``forward(x, cache, pos=None)`` takes the block ``x`` (B, M, D), the layer's cache and the
+    model's shared position table ``pos`` (S, d_head) and returns the output and the new cache;
+    ``span`` is a :class:`Span`; ``empty_cache`` starts a stream. ``shared_positions`` is True
+    when the variant reads the model's table (variants with their own encoding ignore ``pos``).
     """
+
+    shared_positions = False
 
     d_model: int
 
@@ -201,14 +205,27 @@ class SpanAttention(Attention):
         self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
         for proj in (self.q, self.k, self.v, self.o):  # paper: U(-1/sqrt(d), 1/sqrt(d))
             nn.init.uniform_(proj.weight, -(d**-0.5), d**-0.5)
-        self.pos = nn.Parameter(torch.randn(config.max_span, config.d_head))  # p_d, d = 1..S
+        self.shared_positions = config.position_table == "model"
+        # p_d, d = 1..S: here only with position_table="layer"; else the model passes its own
+        self.pos = (None if self.shared_positions
+                    else nn.Parameter(torch.randn(config.max_span, config.d_head)))
         self.span = span
+
+    def positions(self, pos: Tensor | None) -> Tensor:
+        """The table p_d this layer reads: its own, or the model's ``pos``."""
+        if (pos is None) != self.shared_positions:
+            return self.pos if pos is None else pos
+        raise ValueError(
+            "this attention reads the model's position table (position_table='model'): pass it "
+            "as forward(x, cache, pos)" if pos is None else
+            "this attention has its own position table (position_table='layer'): pass no pos")
 
     def empty_cache(self, batch_size: int, keys_values: bool = False) -> Tensor | KeyValueCache:
         """No history; ``keys_values=True`` gives a :class:`KeyValueCache` (inference only)."""
         if not keys_values:
             return super().empty_cache(batch_size)
-        return KeyValueCache.empty(self.pos.new_zeros(batch_size, self.n_heads, 0, self.d_head))
+        like = self.q.weight.new_zeros(batch_size, self.n_heads, 0, self.d_head)
+        return KeyValueCache.empty(like)
 
     def key_windows(self, z: Tensor | None) -> list[int]:
         """Number of past keys each head reads, after truncation and bucketing."""
@@ -221,9 +238,10 @@ class SpanAttention(Attention):
         return windows
 
     def forward(
-        self, x: Tensor, cache: Tensor | KeyValueCache
+        self, x: Tensor, cache: Tensor | KeyValueCache, pos: Tensor | None = None
     ) -> tuple[Tensor, Tensor | KeyValueCache]:
         B, M, _ = x.shape
+        pos = self.positions(pos)
         z = self.span(x)
         windows = self.key_windows(z)
         history = self.max_span if self.span.input_dependent else max(windows)
@@ -236,7 +254,7 @@ class SpanAttention(Attention):
         for w, heads in _group(windows):
             k, v = keys_values(heads, history - w)
             zg = None if z is None else z[:, _index(heads)]
-            outputs.append(banded_attention(q[:, _index(heads)], k, v, self.pos[:w], zg,
+            outputs.append(banded_attention(q[:, _index(heads)], k, v, pos[:w], zg,
                                             self.ramp, self.dropout, self.training))
             order += heads
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]

@@ -2,7 +2,9 @@
 
 Each is built from a :class:`ModelConfig`, has ``forward(x, cache) -> (y, new_cache)`` with the
 block ``x`` (B, M, D) and the previous hidden states ``cache`` (B, C, D), and a fixed ``span``
-(``max_span`` = S for every head, no penalty), like :class:`adaspan.attention.SpanAttention`:
+(``max_span`` = S for every head, no penalty), like :class:`adaspan.attention.SpanAttention`.
+``vanilla`` reads the model's table of relative positions ``pos`` like the span attentions;
+``xl`` and ``factorized`` have encodings of their own and ignore it:
 
 * :class:`VanillaAttention` (``vanilla``): fixed span S inside the current block only, no
   cache (the T12 baseline of Al-Rfou et al. 2019);
@@ -70,15 +72,18 @@ class VanillaAttention(SpanAttention):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, FixedSpan(config.n_heads, config.max_span, config.ramp))
 
-    def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, cache: Tensor, pos: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         B, M, _ = x.shape
+        pos = self.positions(pos)
         q, k, v = (_heads(proj(x), self.n_heads) for proj in (self.q, self.k, self.v))
         q = q * self.d_head**-0.5
         w = min(self.max_span, M)
         t = torch.arange(M, device=x.device)
         distance = t[:, None] - t[None, :]  # (M, M): d = t - r
         visible = (distance >= 1) & (distance <= w)
-        by_distance = q @ self.pos[:w].t()  # (B, H, M, w): column d - 1 holds q . p_d
+        by_distance = q @ pos[:w].t()  # (B, H, M, w): column d - 1 holds q . p_d
         index = (distance - 1).clamp(0, w - 1).expand(B, self.n_heads, M, M)
         scores = q @ k.transpose(-1, -2) + by_distance.gather(-1, index)
         attn = F.dropout(masked_softmax(scores, visible), self.dropout, self.training)
@@ -112,7 +117,9 @@ class XLAttention(Attention):
         self.position_bias = nn.Parameter(torch.zeros(self.n_heads, self.d_head))  # v
         self.span = FixedSpan(config.n_heads, config.max_span, config.ramp)
 
-    def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, cache: Tensor, pos: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         B, M, D = x.shape
         S, H = self.max_span, self.n_heads
         past = fit_cache(cache, S).to(x)  # (B, S, D); no input gradient: projected apart
@@ -190,7 +197,9 @@ class FactorizedAttention(Attention):
         self.pos = nn.Parameter(torch.randn(self.stride, self.d_head))  # p_d, d = 0..l-1
         self.span = FixedSpan(config.n_heads, config.max_span, config.ramp)
 
-    def forward(self, x: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, cache: Tensor, pos: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         B, M, D = x.shape
         C = cache.shape[1]
         states = torch.cat([cache.to(x), x], dim=1)  # positions 0 .. C + M - 1

@@ -114,6 +114,8 @@ def read_config(run_dir: str | Path) -> dict:
         raise RunDirError(f"cannot read {path}: {exc}") from exc
     if not isinstance(config, dict) or not {"model", "train"} <= config.keys():
         raise RunDirError(f"{path} must hold 'model' and 'train' tables")
+    if isinstance(config["model"], dict):  # runs of adaspan 0.1 had a position table per layer
+        config["model"].setdefault("position_table", "layer")
     return config
 
 

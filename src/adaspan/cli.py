@@ -31,6 +31,7 @@ OPTION_HELP: dict[str, str] = {
     "dynamic_bias_init": "initial bias b of dynamic spans z_t = S sigmoid(v.x_t + b) (paper: -4)",
     "span_bucket": "key windows are rounded up to a multiple of this (adaspan: 64)",
     "truncation": "head (per-head key windows) | layer (longest head of the layer) | none",
+    "position_table": "model (one p_d table for all layers, paper) | layer (one per layer)",
     "factorized_stride": "stride l of the factorized (Sparse Transformer) pattern (seed: 128, 256)",
     "factorized_c": "summary positions c per stride of the factorized pattern (seed: 8, 16, 32)",
     # train
@@ -332,7 +333,8 @@ def _add_presets(commands) -> None:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from .presets import PRESETS
+    from .model import parameter_count
+    from .presets import PRESETS, resolve_config
 
     if args.name:
         if args.name not in PRESETS:
@@ -341,7 +343,8 @@ def _presets(args: argparse.Namespace) -> int:
         return 0
     width = max(map(len, PRESETS))
     for name, preset in PRESETS.items():
-        print(f"{name:<{width}}  {preset['description']}")
+        params = parameter_count(resolve_config(name)[0]) / 1e6
+        print(f"{name:<{width}}  {params:6.1f}M params  {preset['description']}")
     return 0
 
 

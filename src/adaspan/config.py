@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 ATTENTIONS = ("fixed", "adaptive", "dynamic", "vanilla", "xl", "factorized")
 TRUNCATIONS = ("head", "layer", "none")
+POSITION_TABLES = ("model", "layer")
 
 
 @dataclass
@@ -21,6 +22,9 @@ class ModelConfig:
     ``truncation`` picks how computation follows the spans: ``head`` groups heads by span and
     each group reads only the keys it can see; ``layer`` uses the longest head of the layer for
     all heads; ``none`` always reads ``max_span`` keys (reference, slowest).
+    ``position_table`` ``model`` keeps one table of relative position embeddings p_d (S x
+    d_head) for every head of every layer, as the paper (§3: "a single set of position
+    embeddings"); ``layer`` gives each layer its own (how runs of adaspan 0.1 were built).
     """
 
     vocab_size: int = 256
@@ -37,6 +41,7 @@ class ModelConfig:
     dynamic_bias_init: float = -4.0  # b of the dynamic span
     span_bucket: int = 64  # key windows are rounded up to a multiple of this
     truncation: str = "head"
+    position_table: str = "model"
     factorized_stride: int = 128  # l of the Sparse Transformer "fixed" pattern
     factorized_c: int = 8  # c: summary positions per stride block (per A(2) head)
 
@@ -58,6 +63,8 @@ class ModelConfig:
                  f"one of {', '.join(ATTENTIONS)}")
         _require("truncation", self.truncation, lambda v: v in TRUNCATIONS,
                  f"one of {', '.join(TRUNCATIONS)}")
+        _require("position_table", self.position_table, lambda v: v in POSITION_TABLES,
+                 f"one of {', '.join(POSITION_TABLES)}")
         _require("factorized_stride", self.factorized_stride,
                  lambda v: isinstance(v, int) and v > 0, "a positive integer")
         _require("factorized_c", self.factorized_c,

@@ -69,9 +69,9 @@ class Layer(nn.Module):
         self.norm2 = nn.LayerNorm(config.d_model)
 
     def forward(
-        self, x: Tensor, cache: Tensor | KeyValueCache
+        self, x: Tensor, cache: Tensor | KeyValueCache, pos: Tensor | None
     ) -> tuple[Tensor, Tensor | KeyValueCache]:
-        attended, cache = self.attn(x, cache)
+        attended, cache = self.attn(x, cache, pos)
         h = self.norm1(x + attended)
         return self.norm2(h + self.ff(h)), cache
 
@@ -86,6 +86,9 @@ class SpanLM(nn.Module):
         nn.init.normal_(self.embed.weight, 0.0, 1.0)  # paper: N(0, 1)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.n_layers))
         self.out = nn.Linear(config.d_model, config.vocab_size)
+        # p_d, d = 1..S: one set of relative position embeddings for all heads and layers (§3)
+        self.pos = (nn.Parameter(torch.randn(config.max_span, config.d_head))
+                    if self.layers[0].attn.shared_positions else None)
 
     def forward(self, tokens: Tensor, cache: Cache | None = None) -> tuple[Tensor, Cache]:
         """Log-probabilities (B, M, V) of the next token at each position, and the new cache."""
@@ -98,7 +101,7 @@ class SpanLM(nn.Module):
         h = self.embed(tokens)
         new_cache = []
         for layer, layer_cache in zip(self.layers, cache, strict=True):
-            h, layer_cache = layer(h, layer_cache)
+            h, layer_cache = layer(h, layer_cache, self.pos)
             new_cache.append(layer_cache)
         return F.log_softmax(self.out(h), dim=-1), new_cache
 
@@ -138,3 +141,9 @@ class SpanLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters of ``SpanLM(config)``, counted without allocating them (meta device)."""
+    with torch.device("meta"):
+        return SpanLM(config).num_parameters()
