@@ -106,7 +106,7 @@ def test_override_values_are_parsed_by_field_type(text, kind, expected):
     ("override", "message"),
     [
         ("train.lrr=0.1", r"unknown train option 'lrr' \(did you mean lr\?\)"),
-        ("d_modle=64", r"unknown option 'd_modle' \(did you mean d_model\?\)"),
+        ("d_modle=64", r"unknown option 'd_modle' \(did you mean d_model\b"),
         ("modle.d_model=64", r"unknown section 'modle'.*did you mean model"),
         ("steps=1.5", r"train\.steps must be an integer"),
         ("tensorboard=maybe", r"train\.tensorboard must be true or false"),

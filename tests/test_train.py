@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from adaspan import ModelConfig, SpanLM
@@ -265,6 +266,51 @@ def test_batch_split_gives_the_full_batch_gradient(optimizer, lr):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     for name in state1:  # parameters after two steps: fp32 rounding of sums in another order
         torch.testing.assert_close(state1[name], state2[name], atol=1e-6, rtol=1e-5)
+
+
+def test_per_tensor_clipping_equals_a_hand_computed_adagrad_update():
+    """The authors' trainer: per tensor, lr * min(1, clip / ||g||), Adagrad's sum of squares of
+    the raw gradients; two steps, so that the second reads the unclipped accumulator."""
+    lr, clip, eps = 0.07, 0.03, 1e-10
+    config = TrainConfig(batch_size=4, optimizer="adagrad", lr=lr, warmup=0, clip=clip,
+                         clip_mode="per-tensor-lr")
+    torch.manual_seed(0)
+    model = SpanLM(dataclasses.replace(MODEL, dropout=0.0, span_init=0.5))
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config)
+    x1, y1, x2, y2 = _step_inputs()
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    squares = {name: torch.zeros_like(p) for name, p in expected.items()}
+    cache, clipped = model.empty_cache(4), 0
+    for x, y in ((x1, y1), (x2, y2)):
+        hand = SpanLM(model.config)  # the gradient of the current weights, computed apart
+        hand.load_state_dict(model.state_dict())
+        log_probs, _ = hand(x, [layer.clone() for layer in cache])
+        (F.nll_loss(log_probs.flatten(0, 1), y.flatten()) + hand.span_loss()).backward()
+        for name, p in hand.named_parameters():
+            g = p.grad
+            scale = min(1.0, clip / g.norm().item())
+            clipped += scale < 1
+            squares[name] += g * g
+            expected[name] -= lr * scale * g / (squares[name].sqrt() + eps)
+            if name.endswith("z_frac"):
+                expected[name].clamp_(0, 1)
+        _, cache = train_step(model, optimizer, scheduler, x, y, cache, config)
+    assert clipped > 0  # the threshold is active for some tensors
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_global_clipping_bounds_the_joint_norm_of_the_step():
+    config = TrainConfig(batch_size=4, optimizer="adamw", lr=1.0, warmup=0, clip=1e-3,
+                         clip_mode="global", weight_decay=0.0)
+    model = SpanLM(dataclasses.replace(MODEL, dropout=0.0))
+    optimizer = build_optimizer(model, config)
+    x, y = _step_inputs()[:2]
+    train_step(model, optimizer, build_scheduler(optimizer, config), x, y, model.empty_cache(4),
+               config)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert grads.norm().item() == pytest.approx(1e-3, rel=1e-4)  # clipped in place
 
 
 def test_merge_rows_left_pads_shorter_caches_with_zeros():

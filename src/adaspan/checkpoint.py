@@ -116,6 +116,8 @@ def read_config(run_dir: str | Path) -> dict:
         raise RunDirError(f"{path} must hold 'model' and 'train' tables")
     if isinstance(config["model"], dict):  # runs of adaspan 0.1 had a position table per layer
         config["model"].setdefault("position_table", "layer")
+    if isinstance(config["train"], dict):  # ... and clipped the global gradient norm
+        config["train"].setdefault("clip_mode", "global")
     return config
 
 

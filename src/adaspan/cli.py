@@ -43,7 +43,9 @@ OPTION_HELP: dict[str, str] = {
     "optimizer": "adagrad | adamw (paper: adagrad)",
     "lr": "learning rate after warm-up (paper: 0.07)",
     "warmup": "steps of linear warm-up from 0 (paper: 32k)",
-    "clip": "gradient clipping, max global norm; 0 = off (paper: 0.03)",
+    "clip": "gradient clipping threshold; 0 = off (paper: 0.03)",
+    "clip_mode": "per-tensor-lr (each tensor's step times min(1, clip/|g|), the authors') | "
+                 "global (joint gradient norm <= clip)",
     "weight_decay": "AdamW weight decay (paper: none)",
     "lr_drop_steps": "final steps run at lr * lr_drop_factor (paper, large models: 20k)",
     "lr_drop_factor": "learning-rate factor for the final steps (paper: 0.1)",

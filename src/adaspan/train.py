@@ -50,6 +50,7 @@ from .metrics import MetricsLog
 from .model import Cache, SpanLM
 
 OPTIMIZERS = ("adagrad", "adamw")
+CLIP_MODES = ("global", "per-tensor-lr")
 DTYPES = ("float32", "bfloat16")
 # Train options a resumed run must keep: they define the data stream and the optimiser state.
 RESUME_FIXED = ("data", "batch_size", "block_size", "optimizer", "lr", "warmup", "weight_decay")
@@ -60,8 +61,10 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 class TrainConfig:
     """How to train (defaults: the paper's small models, §3).
 
-    ``clip`` is the maximum norm of all gradients together (the paper clips "gradients of each
-    module" at 0.03; we clip their global norm); 0 disables clipping. ``batch_split`` processes
+    ``clip`` bounds the gradients (0: no clipping). ``clip_mode`` ``per-tensor-lr`` is how the
+    paper's authors clip (their released trainer): each parameter tensor's step is scaled by
+    min(1, clip / ||g||) while the optimiser's state sees the raw gradient; ``global`` scales
+    all gradients together so that their joint norm is at most ``clip``. ``batch_split`` processes
     the batch as that many slices of streams, accumulating gradients (same result, less
     memory). ``device`` is auto, cpu, cuda or cuda:N; ``dtype`` bfloat16 runs the forward pass
     under autocast. ``time_budget`` (seconds of this call) stops training cleanly with a
@@ -77,6 +80,7 @@ class TrainConfig:
     lr: float = 0.07
     warmup: int = 32_000
     clip: float = 0.03
+    clip_mode: str = "per-tensor-lr"
     weight_decay: float = 0.0
     lr_drop_steps: int = 0
     lr_drop_factor: float = 0.1
@@ -109,6 +113,7 @@ class TrainConfig:
         self._require("data_dir", lambda v: v is None or isinstance(v, str),
                       "a directory or None")
         self._require("optimizer", lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}")
+        self._require("clip_mode", lambda v: v in CLIP_MODES, f"one of {', '.join(CLIP_MODES)}")
         self._require("dtype", lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}")
         self._require("device", lambda v: _DEVICE.fullmatch(v), "auto, cpu, cuda or cuda:N")
         self._require("time_budget", lambda v: v is None or (_is_number(v) and v > 0),
@@ -160,6 +165,25 @@ def build_optimizer(model: SpanLM, config: TrainConfig) -> torch.optim.Optimizer
     if config.optimizer == "adagrad":
         return torch.optim.Adagrad(groups, lr=config.lr)
     return torch.optim.AdamW(groups, lr=config.lr)
+
+
+def step_with_tensor_clip(optimizer: torch.optim.Optimizer, clip: float) -> None:
+    """``optimizer.step()`` with the step of each parameter tensor scaled by
+    min(1, clip / ||g||), ``g`` its gradient: the authors' per-tensor learning-rate clipping.
+
+    The optimiser itself sees the raw gradient (Adagrad accumulates g^2 unclipped). Scaling the
+    step equals scaling that tensor's learning rate for optimisers whose update is proportional
+    to it (Adagrad, AdamW, SGD): p <- p_old + s (p_stepped - p_old).
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]
+              if p.grad is not None]
+    norms = torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])
+    scales = (clip / (norms + 1e-10)).clamp(max=1.0).tolist()
+    before = {i: params[i].detach().clone() for i, s in enumerate(scales) if s < 1.0}
+    optimizer.step()
+    with torch.no_grad():
+        for i, old in before.items():
+            params[i].lerp_(old, 1.0 - scales[i])
 
 
 def build_scheduler(
@@ -230,9 +254,12 @@ def train_step(
             loss.backward()
         nll_total += nll.item() / slices
         parts.append(part_cache)
-    if config.clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-    optimizer.step()
+    if config.clip > 0 and config.clip_mode == "per-tensor-lr":
+        step_with_tensor_clip(optimizer, config.clip)
+    else:
+        if config.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+        optimizer.step()
     model.clamp_spans()
     scheduler.step()
     return nll_total, merge_rows(parts)
