@@ -61,11 +61,15 @@ def test_one_block_equals_a_full_sequence_pass_and_small_blocks_carry_the_cache(
     assert blocks["bpc"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_max_chars_evaluates_the_first_blocks():
+def test_max_chars_scores_the_first_characters_as_one_prefix():
     model = random_model()
-    first = evaluate(model, TEXT, batch_size=1, block_size=16, max_chars=40)  # 3 blocks
-    assert first["chars"] == 48
-    assert first["bpc"] == pytest.approx(direct_bpc(model, TEXT[:49]), rel=1e-5)
+    first = evaluate(model, TEXT, batch_size=1, block_size=16, max_chars=40)
+    assert first["chars"] == 40
+    assert first["bpc"] == pytest.approx(direct_bpc(model, TEXT[:41]), rel=1e-5)
+    two = evaluate(model, TEXT, batch_size=2, block_size=16, max_chars=41)  # 2 streams of 20
+    assert two["chars"] == 40
+    halves = (direct_bpc(model, TEXT[:21]) + direct_bpc(model, TEXT[20:41])) / 2
+    assert two["bpc"] == pytest.approx(halves, rel=1e-5)
     everything = evaluate(model, TEXT, batch_size=2, block_size=16, max_chars=10**9)
     assert everything["chars"] == 218  # 2 streams of 109 targets
 

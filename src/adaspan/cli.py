@@ -54,7 +54,7 @@ OPTION_HELP: dict[str, str] = {
     "device": "auto | cpu | cuda | cuda:N (auto: CUDA when available)",
     "dtype": "float32 | bfloat16 (autocast)",
     "eval_interval": "steps between validations",
-    "eval_chars": "characters of the valid split read by each validation",
+    "eval_chars": "each validation scores the first N characters of the valid split",
     "log_interval": "steps between log lines and metrics records",
     "checkpoint_interval": "steps between checkpoints",
     "time_budget": "stop cleanly (with a checkpoint) after this many seconds",
@@ -179,7 +179,8 @@ def _add_evaluate(commands) -> None:
     p.add_argument("--split", choices=("train", "valid", "test"), default="valid")
     p.add_argument("--batch-size", type=int, default=8, help="parallel streams (paper: 8)")
     p.add_argument("--block-size", type=int, help="characters per block (default: the run's)")
-    p.add_argument("--max-chars", type=int, help="only the first blocks holding this many chars")
+    p.add_argument("--max-chars", type=int,
+                   help="score only the first N characters of the split (a contiguous prefix)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="bfloat16: run under autocast")

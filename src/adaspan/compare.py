@@ -142,7 +142,7 @@ def _row(method: str, model: SpanLM, summary: dict, bpc: dict[str, float]) -> di
 def _caption(train_config: TrainConfig, eval_chars: int | None) -> str:
     budget = (f"{train_config.time_budget:g} s of training" if train_config.time_budget
               else f"{train_config.steps:,} steps")
-    scope = f"first {eval_chars:,} characters" if eval_chars else "whole split"
+    scope = f"first {eval_chars:,} characters (a prefix)" if eval_chars else "whole split"
     return (f"{train_config.data}: every method trained for {budget} with seed "
             f"{train_config.seed}; bpc over the {scope}.")
 

@@ -8,7 +8,6 @@ context as the model's spans allow.
 from __future__ import annotations
 
 import math
-from itertools import islice
 
 import numpy as np
 import torch
@@ -30,29 +29,28 @@ def evaluate(
 ) -> dict:
     """Bits per character of ``model`` on ``tokens``.
 
-    ``max_chars`` stops after the first blocks that hold at least that many targets (a quick
-    estimate for periodic validation). The model is moved to ``device`` (default: where it
+    ``max_chars`` scores only the first ``max_chars`` characters of ``tokens`` (one contiguous
+    prefix, cut into the ``batch_size`` streams; rounded down to a multiple of it): a quick
+    estimate for periodic validation. The model is moved to ``device`` (default: where it
     is), run in eval mode without gradients, and left in the train/eval mode it had.
     ``dtype="bfloat16"`` runs the model under bf16 autocast. Returns ``bpc``, ``loss`` (nats
     per character) and ``chars`` (number of targets).
     """
     if max_chars is not None and max_chars < 1:
         raise ValueError(f"max_chars must be >= 1 or None, got {max_chars}")
+    if max_chars is not None:
+        tokens = tokens[: max_chars + 1]  # max_chars targets
     stream = BlockStream(tokens, batch_size, block_size)
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    n_blocks = len(stream)
-    if max_chars is not None:
-        n_blocks = min(n_blocks, math.ceil(max_chars / (batch_size * block_size)))
-    total_chars = batch_size * min(stream.stream_len, n_blocks * block_size)
     was_training = model.training
     model.to(device).eval()
     nll, chars = 0.0, 0
     try:
         autocast = torch.autocast(device.type, torch.bfloat16, enabled=dtype == "bfloat16")
-        with torch.no_grad(), autocast, tqdm(total=total_chars, unit="char", unit_scale=True,
+        with torch.no_grad(), autocast, tqdm(total=stream.num_chars, unit="char", unit_scale=True,
                                    desc="evaluating", disable=None if progress else True) as bar:
             cache = model.empty_cache(batch_size, keys_values=True)
-            for _, x, y in islice(stream.blocks(), n_blocks):
+            for _, x, y in stream.blocks():
                 log_probs, cache = model(x.to(device), cache)
                 target_log_probs = log_probs.gather(-1, y.to(device).unsqueeze(-1))
                 nll -= target_log_probs.double().sum().item()
