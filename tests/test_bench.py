@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from adaspan.analysis import forward_flops_per_char
+from adaspan.analysis import flops_per_char
 from adaspan.bench import build_bench_model
 from adaspan.cli import main
 from adaspan.config import ModelConfig
+from adaspan.model import SpanLM
 
 FIELDS = {"attention", "max_span", "spans", "avg_span", "batch_size", "block_size", "dtype",
           "device", "parameters", "train_chars_per_s", "eval_chars_per_s",
@@ -26,13 +27,50 @@ def test_bench_json_has_the_documented_fields(capsys):
                                        "generate_chars_per_s", "peak_memory_mb"))
 
 
-def test_flops_follow_the_spans():
+def test_flops_follow_the_spans_in_the_papers_convention():
+    """Multiply-adds by hand: per layer 4 d^2 + 2 d d_inner, per head 2 d_head per key of its
+    span (q . (k + p) and the value), d V for the output."""
     config = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_inner=64, max_span=1024, ramp=8)
     fixed = build_bench_model(config, "fixed", device="cpu")
-    short = build_bench_model(config, "8", device="cpu")
-    assert fixed.config.attention == "fixed" and short.spans() == [[8.0] * 4] * 2
-    dense = 2 * (4 * 32**2 + 2 * 32 * 64)
-    head = 6 * 8  # 6 d_head FLOPs per key
-    assert forward_flops_per_char(short) == 2 * dense + 2 * 4 * head * 8 + 2 * 32 * 256
-    saved = forward_flops_per_char(fixed) - forward_flops_per_char(short)
-    assert saved == 2 * 4 * head * (1024 - 8)
+    short = build_bench_model(config, "8,16,8,40", device="cpu")
+    assert fixed.config.attention == "fixed" and short.spans() == [[8.0, 16.0, 8.0, 40.0]] * 2
+    layer = 4 * 32 * 32 + 2 * 32 * 64  # 8,192
+    d_head = 8
+    per_key = 2 * d_head
+    assert flops_per_char(short) == 2 * layer + 2 * per_key * (8 + 16 + 8 + 40) + 32 * 256
+    assert flops_per_char(short) == 16384 + 2304 + 8192
+    assert flops_per_char(fixed) - flops_per_char(short) == 2 * per_key * (4 * 1024 - 72)
+
+
+def test_flops_of_the_papers_small_model_at_its_average_span():
+    """Table 1: 42M FLOPS for the small model (12 x d 512, FF 2048) at an average span of 314."""
+    model = SpanLM(ModelConfig(vocab_size=28))  # the defaults: the paper's small model; text8
+    model.set_spans([314.0] * 8)
+    assert flops_per_char(model) / 1e6 == pytest.approx(42, abs=0.5)
+
+
+def test_flops_give_the_shares_of_the_papers_figure_3():
+    """§4: the feed-forward is 62% of the FLOPS of a fixed-span small model at S = 256, the
+    attention layer (projections included) 82% at S = 8192."""
+    for max_span, part, share in ((256, "ff", 0.62), (8192, "attention", 0.82)):
+        model = SpanLM(ModelConfig(vocab_size=28, attention="fixed", max_span=max_span))
+        cfg, total = model.config, flops_per_char(model)
+        ff = cfg.n_layers * 2 * cfg.d_model * cfg.d_inner
+        attention = sum(layer.attn.flops_per_char(512) for layer in model.layers)
+        assert (ff if part == "ff" else attention) / total == pytest.approx(share, abs=0.005)
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys"),
+    [("vanilla", [(0 + 1 + 2 + 2 + 2 + 2) / 6] * 4),  # token t of the block sees min(t, S = 2)
+     ("xl", [3.0] * 4),  # distances 0..S
+     ("factorized", [2.5, 4.0, 2.5, 4.0])],  # A(1): (l + 1) / 2 = 2.5; A(2): c S / l = 4
+)
+def test_flops_of_the_baselines_count_the_keys_they_read(kind, keys):
+    config = ModelConfig(vocab_size=32, n_layers=1, d_model=16, n_heads=4, d_inner=32,
+                         max_span=2 if kind != "factorized" else 8, factorized_stride=4,
+                         factorized_c=2, attention=kind)
+    attn = SpanLM(config).layers[0].attn
+    assert attn.keys_per_query(6) == pytest.approx(keys)
+    extra = 3 * 16 * 16 / 6 if kind == "xl" else 0.0  # W_r R_d of the S + 1 distances per block
+    assert attn.flops_per_char(6) == pytest.approx(4 * 16 * 16 + 2 * 4 * sum(keys) + extra)

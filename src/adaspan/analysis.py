@@ -16,17 +16,18 @@ def span_summary(spans: list[list[float]]) -> dict:
     }
 
 
-def forward_flops_per_char(model) -> float:
-    """FLOPs (2 per multiply-add) of one forward step per character, attention following spans.
+def flops_per_char(model, block_size: int = 512) -> float:
+    """FLOPs of one forward step per character in the paper's convention (its Tables 1-2 and
+    Figure 3): one per multiply-add, each head's attention over the keys it uses.
 
-    Per layer: the four d x d projections and the feed-forward; per head, q.k, q.p and the
-    weighted sum of values over its span (``6 * d_head * span``); then the output layer. Like the
-    paper's FLOPS column, a head costs in proportion to the span it uses, not the limit S.
+    Per layer: the attention's count (projections and ``2 * d_head`` per attended key, see
+    :meth:`adaspan.attention.Attention.flops_per_char`) and the feed-forward
+    (``2 * d * d_inner``); then the output layer (``d * V``). Embedding lookups, layer norms,
+    softmax and biases are not counted. Throughputs in GFLOP/s count 2 FLOPs per multiply-add.
     """
     cfg = model.config
-    dense = 2 * (4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.d_inner)
-    attention = sum(6 * cfg.d_head * span for layer in model.spans() for span in layer)
-    return cfg.n_layers * dense + attention + 2 * cfg.d_model * cfg.vocab_size
+    attention = sum(layer.attn.flops_per_char(block_size) for layer in model.layers)
+    return attention + cfg.n_layers * 2 * cfg.d_model * cfg.d_inner + cfg.d_model * cfg.vocab_size
 
 
 def span_table(spans: list[list[float]]) -> str:

@@ -178,8 +178,20 @@ class Attention(nn.Module):
     """
 
     shared_positions = False
-
     d_model: int
+    d_head: int
+
+    def keys_per_query(self, block_size: int) -> list[float]:
+        """Keys each head attends to per query, on average over a block of ``block_size``
+        (here: its span, ``min(S, z + R)``)."""
+        return self.span.spans().tolist()
+
+    def flops_per_char(self, block_size: int) -> float:
+        """Multiply-adds per character (the paper's FLOPS convention, Tables 1-2): the four
+        d x d projections, and per key a head attends to one product with the query,
+        q . (k + p), and one with the value: ``2 d_head`` per key."""
+        keys = sum(self.keys_per_query(block_size))
+        return 4 * self.d_model**2 + 2 * self.d_head * keys
 
     def empty_cache(self, batch_size: int, keys_values: bool = False) -> Tensor | KeyValueCache:
         """Cache of a stream's start: no history (read as zero hidden states). This variant

@@ -72,6 +72,11 @@ class VanillaAttention(SpanAttention):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, FixedSpan(config.n_heads, config.max_span, config.ramp))
 
+    def keys_per_query(self, block_size: int) -> list[float]:
+        """Token t of a block sees min(t, S) keys."""
+        keys = sum(min(t, self.max_span) for t in range(block_size)) / block_size
+        return [keys] * self.n_heads
+
     def forward(
         self, x: Tensor, cache: Tensor, pos: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -116,6 +121,15 @@ class XLAttention(Attention):
         self.content_bias = nn.Parameter(torch.zeros(self.n_heads, self.d_head))  # u
         self.position_bias = nn.Parameter(torch.zeros(self.n_heads, self.d_head))  # v
         self.span = FixedSpan(config.n_heads, config.max_span, config.ramp)
+
+    def keys_per_query(self, block_size: int) -> list[float]:
+        """Distances 0..S."""
+        return [self.max_span + 1.0] * self.n_heads
+
+    def flops_per_char(self, block_size: int) -> float:
+        """Also W_r R_d for the S + 1 distances, once per block."""
+        extra = (self.max_span + 1) * self.d_model**2 / block_size
+        return super().flops_per_char(block_size) + extra
 
     def forward(
         self, x: Tensor, cache: Tensor, pos: Tensor | None = None
@@ -210,6 +224,11 @@ class FactorizedAttention(Attention):
         y = self.o(out.transpose(1, 2).reshape(B, M, D))
         drop = self.stride * max(0, (C + M - self.max_span) // self.stride)  # whole strides
         return y, states[:, drop:].detach()
+
+    def keys_per_query(self, block_size: int) -> list[float]:
+        """A(1) heads: (l + 1) / 2 keys on average; A(2) heads: c per stride of the S keys."""
+        local, summary = (self.stride + 1) / 2, self.c * self.max_span / self.stride
+        return [summary if h % 2 else local for h in range(self.n_heads)]
 
     def _summary_offsets(self, device: torch.device | None = None) -> Tensor:
         """First position (mod l) of the sub-block of each A(2) head: l - (k' + 1) c."""

@@ -3,7 +3,9 @@
 Protocol (the same for every configuration): one warm-up step, then ``steps`` timed steps with
 the cache carried from step to step; the median is reported. Training carries hidden states
 (their keys are recomputed with the current weights); evaluation and generation carry keys and
-values (:class:`adaspan.cache.KeyValueCache`).
+values (:class:`adaspan.cache.KeyValueCache`). ``flops_per_char`` is the paper's convention
+(multiply-adds, :func:`adaspan.analysis.flops_per_char`); the GFLOP/s figures count 2 FLOPs per
+multiply-add, and a training step as 3 forward passes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from .analysis import forward_flops_per_char
+from .analysis import flops_per_char
 from .config import ModelConfig
 from .model import SpanLM
 
@@ -73,7 +75,7 @@ def bench(
     train_s = _time_train(model, batch_size, block_size, steps, device, autocast)
     eval_s = _time_eval(model, batch_size, block_size, steps, device, autocast)
     gen_s = _time_generation(model, block_size, gen_chars, device)
-    flops = forward_flops_per_char(model)
+    flops = flops_per_char(model, block_size)  # paper's convention: multiply-adds
     train_cps, eval_cps = chars / train_s, chars / eval_s
     return {
         "attention": model.config.attention,
@@ -89,8 +91,8 @@ def bench(
         "eval_chars_per_s": eval_cps,
         "generate_chars_per_s": 1.0 / gen_s,
         "flops_per_char": flops,
-        "train_gflops": 3 * flops * train_cps / 1e9,
-        "eval_gflops": flops * eval_cps / 1e9,
+        "train_gflops": 2 * 3 * flops * train_cps / 1e9,  # 2 per multiply-add; fwd + bwd = 3x
+        "eval_gflops": 2 * flops * eval_cps / 1e9,
         "peak_memory_mb": _peak_memory_mb(device),
         "matmul_gflops": matmul_gflops(device=device),
     }

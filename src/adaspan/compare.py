@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .analysis import forward_flops_per_char, span_summary
+from .analysis import flops_per_char, span_summary
 from .checkpoint import RunDirError, atomic_write, load_model
 from .config import ATTENTIONS, ModelConfig
 from .data import load_corpus
@@ -28,7 +28,8 @@ SUMMARY_FILE = "train_summary.json"  # written into a method's run directory onc
 MARKDOWN_FILE = "compare.md"
 CSV_FILE = "compare.csv"
 FOOTNOTES = (
-    "FLOPs/char: forward FLOPs per character, with attention following each head's span.",
+    "FLOPs/char: forward multiply-adds per character (the paper's FLOPS), attention over the "
+    "keys each head uses.",
     "chars/s: training throughput on this machine.",
 )
 
@@ -87,7 +88,7 @@ def compare(
                                         block_size=train_config.block_size,
                                         progress=progress, max_chars=eval_chars)["bpc"]
                for split in splits}
-        rows.append(_row(method, model, summary, bpc))
+        rows.append(_row(method, model, summary, bpc, train_config.block_size))
     write_csv(rows, out_dir / CSV_FILE)
     markdown = f"{_caption(train_config, eval_chars)}\n\n{format_markdown(rows)}"
     (out_dir / MARKDOWN_FILE).write_text(markdown)
@@ -125,14 +126,16 @@ def _train_or_reuse(
     return summary
 
 
-def _row(method: str, model: SpanLM, summary: dict, bpc: dict[str, float]) -> dict:
+def _row(
+    method: str, model: SpanLM, summary: dict, bpc: dict[str, float], block_size: int
+) -> dict:
     """One table row; spans after evaluation (dynamic spans: those of the last block)."""
     return {
         "method": method,
         "layers": model.config.n_layers,
         "avg_span": span_summary(model.spans())["avg_span"],
         "params": model.num_parameters(),
-        "flops_per_char": forward_flops_per_char(model),
+        "flops_per_char": flops_per_char(model, block_size),
         "chars_per_s": summary["chars_per_s"],
         "steps": summary["steps"],
         **bpc,
