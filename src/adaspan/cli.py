@@ -1,5 +1,5 @@
 """The ``adaspan`` command line: train, evaluate, generate, inspect, bench, compare, download,
-presets, demo."""
+presets, demo, convert-official."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ._version import __version__
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"adaspan {__version__}")
     commands = parser.add_subparsers(metavar="COMMAND")
     for add in (_add_train, _add_evaluate, _add_generate, _add_inspect, _add_bench,
-                _add_download, _add_presets, _add_demo, _add_compare):
+                _add_download, _add_presets, _add_demo, _add_compare, _add_convert_official):
         add(commands)
     return parser
 
@@ -174,7 +175,8 @@ def _train(args: argparse.Namespace) -> int:
 def _add_evaluate(commands) -> None:
     p = commands.add_parser("evaluate", help="bits per character of a trained model on a split")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    p.add_argument("--data", help="corpus (default: the one the run was trained on)")
+    p.add_argument("--data", help="corpus (default: the one the run was trained on); for a run "
+                   "made by convert-official, a directory in the authors' format")
     p.add_argument("--data-dir", help="cache directory for enwik8/text8")
     p.add_argument("--split", choices=("train", "valid", "test"), default="valid")
     p.add_argument("--batch-size", type=int, default=8, help="parallel streams (paper: 8)")
@@ -184,6 +186,9 @@ def _add_evaluate(commands) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="bfloat16: run under autocast")
+    p.add_argument("--token-logprobs", type=Path, metavar="FILE.npy",
+                   help="save the natural-log probability of every scored token (float32, "
+                   "stream after stream: text order with --batch-size 1)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=_evaluate)
@@ -191,23 +196,46 @@ def _add_evaluate(commands) -> None:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from .checkpoint import load_model, read_config
-    from .data import load_corpus
     from .evaluate import evaluate
+    from .official import read_vocab
 
     saved = read_config(args.run_dir)
+    vocab = read_vocab(args.run_dir)
+    tokens, name, unit = (_official_split(args, saved, vocab) if vocab is not None
+                          else _corpus_split(args, saved))
     model = load_model(args.run_dir, _device(args.device))
-    corpus = load_corpus(args.data or saved["train"]["data"], args.data_dir or
-                         saved["train"].get("data_dir"), progress=not args.no_progress)
-    result = evaluate(model, corpus.split(args.split), batch_size=args.batch_size,
+    result = evaluate(model, tokens, batch_size=args.batch_size,
                       block_size=args.block_size or saved["train"]["block_size"],
-                      progress=not args.no_progress, max_chars=args.max_chars, dtype=args.dtype)
-    result = {**result, "split": args.split, "data": corpus.name, "dtype": args.dtype}
+                      progress=not args.no_progress, max_chars=args.max_chars, dtype=args.dtype,
+                      token_logprobs=args.token_logprobs is not None)
+    if args.token_logprobs is not None:
+        np.save(args.token_logprobs, result.pop("token_logprobs"))
+    result = {**result, "split": args.split, "data": name, "dtype": args.dtype}
     if args.json:
         print(json.dumps(_rounded(result)))
     else:
-        print(f"{corpus.name} {args.split}: {result['bpc']:.4f} bpc over {result['chars']:,} "
-              "characters")
+        print(f"{name} {args.split}: {result['bpc']:.4f} bpc over {result['chars']:,} {unit}s")
     return 0
+
+
+def _corpus_split(args: argparse.Namespace, saved: dict) -> tuple[np.ndarray, str, str]:
+    """Tokens of the split of an adaspan byte corpus, its name, and the unit scored."""
+    from .data import load_corpus
+
+    corpus = load_corpus(args.data or saved["train"]["data"], args.data_dir or
+                         saved["train"].get("data_dir"), progress=not args.no_progress)
+    return corpus.split(args.split), corpus.name, "character"
+
+
+def _official_split(
+    args: argparse.Namespace, saved: dict, vocab: list[str]
+) -> tuple[np.ndarray, str, str]:
+    """Tokens of a split file of an authors'-format directory (for a converted run), the
+    directory's name, and the unit scored."""
+    from .official import encode_split
+
+    data_dir = args.data or saved["train"]["data"]
+    return encode_split(data_dir, args.split, vocab), f"{data_dir} (authors' format)", "symbol"
 
 
 # ------------------------------------------------------------------------------------- generate
@@ -228,11 +256,22 @@ def _add_generate(commands) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from .checkpoint import load_model
     from .generate import generate
+    from .official import byte_codec, read_vocab
 
+    vocab = read_vocab(args.run_dir)
+    to_id, to_byte = byte_codec(vocab) if vocab is not None else (None, None)
     model = load_model(args.run_dir, _device(args.device))
-    text = generate(model, args.prompt.encode(), args.length, args.temperature, args.top_k,
-                    torch.Generator().manual_seed(args.seed))
-    print(args.prompt + text.decode("utf-8", errors="replace"))
+    prompt = args.prompt.encode()
+    if to_id is not None:  # a converted run: token ids of byte symbols, <eos> for newlines
+        missing = sorted(set(prompt or b"\n") - set(to_id))
+        if missing:
+            raise CLIError(f"the prompt has bytes outside this run's vocabulary: {missing}")
+        prompt = bytes(to_id[b] for b in prompt or b"\n")
+    out = generate(model, prompt, args.length, args.temperature, args.top_k,
+                   torch.Generator().manual_seed(args.seed))
+    if to_byte is not None:
+        out = bytes(to_byte[i] for i in out)
+    print(args.prompt + out.decode("utf-8", errors="replace"))
     return 0
 
 
@@ -443,6 +482,42 @@ def _compare(args: argparse.Namespace) -> int:
         print(json.dumps([_rounded(row) for row in rows]))
     else:
         print((out / MARKDOWN_FILE).read_text(), end="")
+    return 0
+
+
+# ----------------------------------------------------------------------------- convert-official
+
+
+def _add_convert_official(commands) -> None:
+    from .official import DEFAULT_DROPOUT, DEFAULT_RAMP, DEFAULT_SPAN_LOSS
+
+    p = commands.add_parser(
+        "convert-official", help="import a checkpoint of the authors' code as an adaspan run",
+        description="Convert a checkpoint written by the training script of the paper's authors "
+        "(facebookresearch/adaptive-span, no adaptive input/output or persistent memory) into "
+        "an adaspan run directory with the same log-probabilities (see docs/official.md).")
+    p.add_argument("checkpoint", type=Path, metavar="CHECKPOINT.pt")
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new (or empty) run directory")
+    p.add_argument("--data", type=Path, required=True, metavar="DATA_DIR",
+                   help="the authors' data directory (train.txt, valid.txt, test.txt) the model "
+                   "was trained on: it defines the vocabulary")
+    p.add_argument("--ramp", type=int, default=DEFAULT_RAMP,
+                   help="ramp R of the soft mask, not stored in the checkpoint "
+                   "(their --adapt-span-ramp) [default: %(default)s]")
+    p.add_argument("--dropout", type=float, default=DEFAULT_DROPOUT,
+                   help="dropout for further training (their --dropout) [default: %(default)s]")
+    p.add_argument("--span-loss-coef", type=float, default=DEFAULT_SPAN_LOSS,
+                   help="span penalty for further training (their --adapt-span-loss) "
+                   "[default: %(default)s]")
+    p.set_defaults(run=_convert_official)
+
+
+def _convert_official(args: argparse.Namespace) -> int:
+    from .official import convert, describe
+
+    config = convert(args.checkpoint, args.out_dir, args.data, args.ramp, args.dropout,
+                     args.span_loss_coef)
+    print(f"wrote {args.out_dir}: {describe(config)}")
     return 0
 
 

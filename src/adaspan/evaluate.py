@@ -26,6 +26,7 @@ def evaluate(
     progress: bool = False,
     max_chars: int | None = None,
     dtype: str = "float32",
+    token_logprobs: bool = False,
 ) -> dict:
     """Bits per character of ``model`` on ``tokens``.
 
@@ -34,7 +35,9 @@ def evaluate(
     estimate for periodic validation. The model is moved to ``device`` (default: where it
     is), run in eval mode without gradients, and left in the train/eval mode it had.
     ``dtype="bfloat16"`` runs the model under bf16 autocast. Returns ``bpc``, ``loss`` (nats
-    per character) and ``chars`` (number of targets).
+    per character) and ``chars`` (number of targets); with ``token_logprobs=True`` also
+    ``token_logprobs``, the natural-log probability of every scored target in stream order (all of
+    stream 0, then stream 1, ...: text order when ``batch_size`` is 1), a float32 array.
     """
     if max_chars is not None and max_chars < 1:
         raise ValueError(f"max_chars must be >= 1 or None, got {max_chars}")
@@ -44,7 +47,7 @@ def evaluate(
     device = torch.device(device) if device is not None else next(model.parameters()).device
     was_training = model.training
     model.to(device).eval()
-    nll, chars = 0.0, 0
+    nll, chars, kept = 0.0, 0, []
     try:
         autocast = torch.autocast(device.type, torch.bfloat16, enabled=dtype == "bfloat16")
         with torch.no_grad(), autocast, tqdm(total=stream.num_chars, unit="char", unit_scale=True,
@@ -54,9 +57,14 @@ def evaluate(
                 log_probs, cache = model(x.to(device), cache)
                 target_log_probs = log_probs.gather(-1, y.to(device).unsqueeze(-1))
                 nll -= target_log_probs.double().sum().item()
+                if token_logprobs:
+                    kept.append(target_log_probs[..., 0].float())
                 chars += y.numel()
                 bar.update(y.numel())
     finally:
         model.train(was_training)
     loss = nll / chars
-    return {"bpc": loss / math.log(2), "loss": loss, "chars": chars}
+    result = {"bpc": loss / math.log(2), "loss": loss, "chars": chars}
+    if token_logprobs:  # blocks are consecutive columns of the (batch_size, n) streams
+        result["token_logprobs"] = torch.cat(kept, dim=1).flatten().cpu().numpy()
+    return result

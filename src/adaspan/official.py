@@ -1,0 +1,298 @@
+"""Import checkpoints written by the training script of the paper's authors.
+
+The authors' code (facebookresearch/adaptive-span) saves ``{"model": state_dict, "iter_no": ...,
+"optimizer": ..., "logger": ...}`` with ``torch.save``, the state dict of a model wrapped in
+``DataParallel`` (keys prefixed ``module.``). :func:`convert` turns such a checkpoint into an
+adaspan run directory whose model gives the same log-probabilities on the same text; see
+``docs/official.md`` for the mapping of every tensor.
+
+Their data format: a directory with ``train.txt``, ``valid.txt`` and ``test.txt``; each line is
+split on whitespace and ends with the symbol ``<eos>``; the vocabulary lists the symbols in order
+of first appearance over train, valid, then test. A converted run stores that list in
+``vocab.json`` (:data:`VOCAB_FILE`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from .checkpoint import WEIGHTS_FILE, RunDirError, atomic_write, save_config
+from .config import ModelConfig
+from .model import SpanLM
+
+VOCAB_FILE = "vocab.json"
+EOS = "<eos>"
+SPLIT_FILES = {"train": "train.txt", "valid": "valid.txt", "test": "test.txt"}
+DEFAULT_RAMP = 32  # the authors' --adapt-span-ramp default
+DEFAULT_DROPOUT = 0.2  # their --dropout default
+DEFAULT_SPAN_LOSS = 0.0  # their --adapt-span-loss default
+BLOCK_SIZE = 512  # block size stored in the run's train config (their enwik8/text8 scripts)
+
+_MASK = "attn.attn.adaptive_span._mask."
+# adaspan name -> the authors' name, inside layer i
+_LAYER_TENSORS = {
+    "attn.q.weight": "attn.proj_query.weight",
+    "attn.k.weight": "attn.proj_key.weight",
+    "attn.v.weight": "attn.proj_val.weight",
+    "attn.o.weight": "attn.proj_out.weight",
+    **{f"{m}.{p}": f"{m}.{p}" for m in ("norm1", "ff.fc1", "ff.fc2", "norm2")
+       for p in ("weight", "bias")},
+}
+_MODEL_TENSORS = {"embed.weight": "in_emb.weight", "out.weight": "out_emb.weight",
+                  "out.bias": "out_emb.bias"}
+
+
+# ------------------------------------------------------------------------------- checkpoint
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], int]:
+    """The model state dict (``module.`` prefix removed) and ``iter_no`` (0 if absent) of a
+    checkpoint of the authors' trainer, or of a bare state dict."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling can fail in many ways: report every one in one line
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(f"cannot read {path} as a PyTorch checkpoint: "
+                         f"{type(exc).__name__}: {first_line}") from exc
+    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
+        state, step = saved["model"], saved.get("iter_no", 0)
+    else:
+        state, step = saved, 0
+    if not (isinstance(state, dict) and state
+            and all(isinstance(t, Tensor) for t in state.values())):
+        raise ValueError(f"{path} holds neither a state dict nor a dict with a 'model' state "
+                         "dict: not a checkpoint of the authors' trainer")
+    if all(key.startswith("module.") for key in state):
+        state = {key[len("module."):]: t for key, t in state.items()}
+    return state, int(step) if isinstance(step, int) else 0
+
+
+def infer_config(
+    state: dict[str, Tensor],
+    ramp: int = DEFAULT_RAMP,
+    dropout: float = DEFAULT_DROPOUT,
+    span_loss_coef: float = DEFAULT_SPAN_LOSS,
+) -> ModelConfig:
+    """adaspan's configuration of the authors' model ``state``, its sizes read from the shapes;
+    ``ramp`` (R) is not stored in their checkpoints."""
+    _refuse_unsupported(state)
+    for name in (*_MODEL_TENSORS.values(), "key_pe", "layers.0.ff.fc1.weight"):
+        if name not in state:
+            raise ValueError(f"the checkpoint has no tensor {name!r}: not a model of the "
+                             "authors' adaptive-span code")
+    vocab_size, d_model = state["in_emb.weight"].shape
+    if state["key_pe"].dim() != 3:
+        raise ValueError(f"key_pe has shape {tuple(state['key_pe'].shape)}, "
+                         "expected (1, d_head, span)")
+    _, d_head, max_span = state["key_pe"].shape
+    if d_model % d_head:
+        raise ValueError(f"key_pe: head size {d_head} does not divide the model size {d_model}")
+    layers = {int(m.group(1)) for key in state if (m := re.match(r"layers\.(\d+)\.", key))}
+    if layers != set(range(len(layers))):
+        raise ValueError(f"the checkpoint's layers are not numbered 0..n-1: {sorted(layers)}")
+    adaptive = f"layers.0.{_MASK}current_val" in state
+    return ModelConfig(
+        vocab_size=vocab_size, d_model=d_model, n_heads=d_model // d_head, n_layers=len(layers),
+        d_inner=state["layers.0.ff.fc1.weight"].shape[0], dropout=dropout,
+        attention="adaptive" if adaptive else "fixed", max_span=max_span, ramp=ramp,
+        span_loss_coef=span_loss_coef)
+
+
+def _refuse_unsupported(state: dict[str, Tensor]) -> None:
+    """A clear error for the authors' options that adaspan has no counterpart for."""
+    if any("persistent_memory" in key for key in state):
+        raise ValueError("the checkpoint uses persistent memory (--pers-mem-size), which "
+                         "adaspan does not support")
+    plain_io = {"in_emb.weight", "out_emb.weight", "out_emb.bias"}
+    if any(key.startswith(("in_emb.", "out_emb.")) and key not in plain_io for key in state):
+        raise ValueError("the checkpoint uses adaptive input/output (--adapt-io), which adaspan "
+                         "does not support")
+
+
+def convert_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """adaspan's state dict (``position_table="model"``) of the authors' model ``state``."""
+    expected = {*_MODEL_TENSORS.values(), "key_pe"}
+    weights = {ours: state[theirs] for ours, theirs in _MODEL_TENSORS.items()}
+    # column c of key_pe is the embedding of distance S - c; adaspan's row d - 1 is distance d
+    weights["pos"] = state["key_pe"][0].t().flip(0)
+    for i in range(config.n_layers):
+        names = {f"layers.{i}.{ours}": f"layers.{i}.{theirs}"
+                 for ours, theirs in _LAYER_TENSORS.items()}
+        if config.attention == "adaptive":
+            names[f"layers.{i}.attn.span.z_frac"] = f"layers.{i}.{_MASK}current_val"
+            expected.add(f"layers.{i}.{_MASK}mask_template")
+        missing = sorted(theirs for theirs in names.values() if theirs not in state)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {', '.join(missing)}")
+        weights.update({ours: state[theirs] for ours, theirs in names.items()})
+        expected.update(names.values())
+        if config.attention == "adaptive":
+            _check_template(state[f"layers.{i}.{_MASK}mask_template"], config.max_span, i)
+            weights[f"layers.{i}.attn.span.z_frac"] = z_fraction(
+                state[f"layers.{i}.{_MASK}current_val"], config.max_span, i)
+    unexpected = sorted(set(state) - expected)
+    if unexpected:
+        raise ValueError(f"the checkpoint has tensors adaspan cannot map: "
+                         f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+    return {name: t.detach().float().contiguous() for name, t in weights.items()}
+
+
+def z_fraction(current_val: Tensor, max_span: int, layer: int = 0) -> Tensor:
+    """adaspan's ``z_frac`` of the authors' ``current_val`` (one per head).
+
+    Their mask at distance x is clamp((R + current_val * S + 1 - x) / R, 0, 1): the paper's m_z
+    with z = current_val * S + 1, i.e. z' = current_val + 1/S. Clamping z' to 1 changes nothing:
+    z = S already gives mask 1 at every distance 1..S.
+    """
+    z = current_val.detach().double().flatten() + 1.0 / max_span
+    if (z < 0).any():
+        raise ValueError(f"layer {layer}: span parameter current_val {current_val.flatten()} "
+                         f"is below -1/S: no adaspan span gives that mask")
+    return z.clamp(max=1.0).float()
+
+
+def _check_template(template: Tensor, max_span: int, layer: int) -> None:
+    expected = torch.linspace(1 - max_span, 0, max_span, dtype=torch.float64)
+    if template.shape != expected.shape or not torch.allclose(template.double(), expected):
+        raise ValueError(f"layer {layer}: mask_template is not linspace(1 - S, 0, S) for "
+                         f"S = {max_span}: not a mask of the authors' code")
+
+
+# ------------------------------------------------------------------------------- data format
+
+
+def read_symbols(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """``(line number, symbols)`` of each line of a file in the authors' format: the line's
+    whitespace-separated symbols followed by ``<eos>``."""
+    try:
+        with open(path, encoding="utf8") as lines:
+            for number, line in enumerate(lines, 1):
+                yield number, [*line.split(), EOS]
+    except FileNotFoundError as exc:
+        raise ValueError(f"{path} does not exist: the data directory must hold "
+                         f"{', '.join(SPLIT_FILES.values())}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+
+
+def build_vocab(data_dir: str | Path) -> list[str]:
+    """The authors' vocabulary of ``data_dir``: symbols in order of first appearance over
+    train.txt, valid.txt, then test.txt."""
+    seen: dict[str, None] = {}  # updating a key keeps its first position
+    for name in SPLIT_FILES.values():
+        for _, symbols in read_symbols(Path(data_dir) / name):
+            seen.update(dict.fromkeys(symbols))
+    return list(seen)
+
+
+def encode_split(data_dir: str | Path, split: str, vocab: list[str]) -> np.ndarray:
+    """Token ids (int32) of split ``split`` of ``data_dir`` under ``vocab``; an unknown symbol
+    is an error naming it and its line."""
+    if split not in SPLIT_FILES:
+        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLIT_FILES)}")
+    path = Path(data_dir) / SPLIT_FILES[split]
+    index = {symbol: i for i, symbol in enumerate(vocab)}
+    ids = array("i")
+    for number, symbols in read_symbols(path):
+        try:
+            ids.extend([index[s] for s in symbols])
+        except KeyError as exc:
+            raise ValueError(f"{path}, line {number}: symbol {exc.args[0]!r} is not in the "
+                             "vocabulary of the converted run") from None
+    return np.frombuffer(ids, dtype=np.int32)
+
+
+def read_vocab(run_dir: str | Path) -> list[str] | None:
+    """The symbols of a converted run (``vocab.json``), or None for an ordinary adaspan run."""
+    path = Path(run_dir) / VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        vocab = json.loads(path.read_text(encoding="utf8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RunDirError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(vocab, list) or not all(isinstance(s, str) for s in vocab):
+        raise RunDirError(f"{path} must hold a JSON list of symbols")
+    return vocab
+
+
+def byte_codec(vocab: list[str]) -> tuple[dict[int, int], list[int]]:
+    """``(byte -> token id, token id -> byte)`` for a vocabulary of decimal byte values and
+    ``<eos>`` (the newline byte), as the authors' enwik8 preparation writes it."""
+    to_byte = []
+    for symbol in vocab:
+        value = 10 if symbol == EOS else int(symbol) if re.fullmatch(r"\d{1,3}", symbol) else -1
+        if not 0 <= value < 256:
+            raise ValueError(f"generation needs a vocabulary of byte values (decimal 0-255) and "
+                             f"{EOS}; this run has the symbol {symbol!r}")
+        to_byte.append(value)
+    to_id = {byte: i for i, byte in enumerate(to_byte)}
+    if len(to_id) != len(to_byte):
+        raise ValueError("generation needs one symbol per byte; this vocabulary has two for one "
+                         f"byte (e.g. both '10' and {EOS})")
+    return to_id, to_byte
+
+
+# ----------------------------------------------------------------------------------- convert
+
+
+def convert(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    data_dir: str | Path,
+    ramp: int = DEFAULT_RAMP,
+    dropout: float = DEFAULT_DROPOUT,
+    span_loss_coef: float = DEFAULT_SPAN_LOSS,
+) -> ModelConfig:
+    """Write the adaspan run ``out_dir`` (config, weights, ``vocab.json``) of the authors'
+    ``checkpoint`` trained on ``data_dir``; return the model's configuration."""
+    from .train import TrainConfig
+
+    state, step = read_checkpoint(checkpoint)
+    config = infer_config(state, ramp, dropout, span_loss_coef)
+    weights = convert_state(state, config)
+    _check_shapes(weights, config)
+    data_dir = Path(data_dir).resolve()
+    vocab = build_vocab(data_dir)
+    if len(vocab) != config.vocab_size:
+        raise ValueError(f"{data_dir} has {len(vocab)} symbols, the checkpoint's model "
+                         f"{config.vocab_size}: wrong data directory")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise RunDirError(f"{out_dir} exists and is not an empty directory: refusing to "
+                          "overwrite it")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(out_dir, config, TrainConfig(data=str(data_dir), block_size=BLOCK_SIZE,
+                                             tensorboard=False))
+    atomic_write({
+        out_dir / WEIGHTS_FILE: lambda p: save_file(weights, p, metadata={"step": str(step)}),
+        out_dir / VOCAB_FILE: lambda p: p.write_text(json.dumps(vocab) + "\n", encoding="utf8"),
+    })
+    return config
+
+
+def _check_shapes(weights: dict[str, Tensor], config: ModelConfig) -> None:
+    """Every converted tensor has the shape adaspan's model expects (one-line error if not)."""
+    with torch.device("meta"):
+        expected = SpanLM(config).state_dict()
+    for name, tensor in expected.items():
+        if weights[name].shape != tensor.shape:
+            raise ValueError(f"{name}: the checkpoint gives shape {tuple(weights[name].shape)}, "
+                             f"the model of its sizes needs {tuple(tensor.shape)}")
+
+
+def describe(config: ModelConfig) -> str:
+    """One line describing a converted model."""
+    return (f"{config.attention} attention, {config.n_layers} layers x {config.n_heads} heads, "
+            f"d_model={config.d_model}, S={config.max_span}, R={config.ramp}, "
+            f"vocabulary of {config.vocab_size} symbols")
+
