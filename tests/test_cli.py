@@ -1,14 +1,19 @@
-"""The command line end to end on tiny models: train, resume, evaluate, generate, inspect."""
+"""The command line end to end on tiny models: train, resume, evaluate, generate (streamed and
+as JSON), inspect."""
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import fields
 
 import pytest
+import torch
 
+from adaspan.checkpoint import load_model
 from adaspan.cli import OPTION_HELP, main
 from adaspan.config import ModelConfig
+from adaspan.generate import generate, stream
 from adaspan.train import TrainConfig
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
@@ -54,6 +59,54 @@ def test_generate_prints_prompt_and_continuation(run_dir, capsys):
     assert main(["generate", str(run_dir), "--prompt", "In the", "--length", "20"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("In the") and len(out.encode()) >= 20
+
+
+def test_stream_yields_the_characters_of_generate(run_dir):
+    model = load_model(run_dir)
+    model.train()
+    for temperature, top_k in ((0.8, None), (1.0, 5), (0.0, None)):
+        args = (model, b"And", 40, temperature, top_k)
+        tokens = stream(*args, torch.Generator().manual_seed(3))
+        first = next(tokens)  # sampled before the rest is asked for
+        assert not model.training  # eval mode while streaming
+        streamed = bytes([first, *tokens])
+        assert model.training  # restored at the end
+        assert streamed == generate(*args, torch.Generator().manual_seed(3))
+        assert len(streamed) == 40
+    with pytest.raises(ValueError, match="length"):
+        stream(model, b"", -1)  # checked at the call, not at the first character
+
+
+class _Terminal:
+    """A stdout that records what was written between flushes."""
+
+    def __init__(self) -> None:
+        self.pending, self.flushed = "", []
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        return len(text)
+
+    def flush(self) -> None:
+        self.flushed.append(self.pending)
+        self.pending = ""
+
+
+def test_generate_streams_each_character_then_json_has_text_and_speed(run_dir, monkeypatch,
+                                                                       capsys):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert main(["generate", str(run_dir), "--prompt", "In", "--length", "30", "--seed", "5",
+                 "--top-k", "20"]) == 0
+    chunks = [c for c in terminal.flushed if c]
+    streamed = "".join(terminal.flushed)
+    assert chunks[0] == "In" and streamed.endswith("\n") and len(chunks) >= 25
+    monkeypatch.undo()
+    assert main(["generate", str(run_dir), "--prompt", "In", "--length", "30", "--seed", "5",
+                 "--top-k", "20", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompt"] + result["text"] + "\n" == streamed
+    assert result["chars"] == 30 and result["chars_per_s"] > 0 and result["seconds"] > 0
 
 
 def test_inspect_prints_spans_and_plots(run_dir, tmp_path, capsys):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import csv
 import json
+import re
 import shutil
+import sys
 
 import pytest
 
@@ -12,6 +15,7 @@ from adaspan.checkpoint import RunDirError
 from adaspan.cli import main
 from adaspan.compare import CSV_FILE, MARKDOWN_FILE, compare, format_markdown
 from adaspan.presets import resolve_config
+from adaspan.report import COMPARE_FIGURE, COMPARE_PAGE
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
         "block_size=16", "eval_chars=64", "eval_interval=2", "log_interval=1",
@@ -53,6 +57,30 @@ def test_one_row_per_method_with_table_fields(compared):
     assert fixed["avg_span"] == xl["avg_span"] == 64
     assert adaptive["avg_span"] < 64  # spans start at R = 32 and hardly move in 2 steps
     assert adaptive["flops_per_char"] < fixed["flops_per_char"]  # attention follows the span
+
+
+def test_curves_of_every_method_are_drawn_side_by_side(compared):
+    out, _ = compared
+    assert (out / COMPARE_FIGURE).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    page = (out / COMPARE_PAGE).read_text()
+    embedded = base64.b64decode(re.search(r"base64,([^']+)'", page).group(1))
+    assert embedded == (out / COMPARE_FIGURE).read_bytes()
+    assert "bpc against training time" in page and "<th>Method</th>" in page
+    assert all(f"<tr><td>{method}</td>" in page for method in METHODS) and ":---" not in page
+    assert "id='fig-compare-spans'" in page  # Figure 4 of the method with learned spans
+
+
+def test_without_matplotlib_the_table_is_written_and_the_figures_skipped(compared, tmp_path,
+                                                                        monkeypatch):
+    out, _ = compared
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / COMPARE_FIGURE).unlink()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    messages = []
+    assert len(_compare(copy, log=messages.append)) == len(METHODS)
+    assert (copy / MARKDOWN_FILE).is_file() and not (copy / COMPARE_FIGURE).exists()
+    assert messages[-1].startswith("no figures: plots need matplotlib")
 
 
 def test_same_seed_gives_identical_results(compared, tmp_path):

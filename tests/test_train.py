@@ -40,7 +40,7 @@ from adaspan.train import (
 MODEL = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
                     span_bucket=8, span_init=0.3, dropout=0.2)
 RECORD_FIELDS = {"step", "train_bpc", "valid_bpc", "lr", "chars_per_s", "avg_span", "max_span",
-                 "elapsed"}
+                 "layer_avg_span", "layer_max_span", "elapsed"}
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,11 @@ def test_metrics_records_hold_every_field_and_the_lr_schedule(tmp_path, corpus_f
         assert record.keys() == RECORD_FIELDS
         assert math.isfinite(record["train_bpc"]) and record["chars_per_s"] > 0
         assert 1 <= record["avg_span"] <= record["max_span"] <= MODEL.max_span
+        layer_avg, layer_max = record["layer_avg_span"], record["layer_max_span"]
+        assert len(layer_avg) == len(layer_max) == MODEL.n_layers
+        assert all(a <= m for a, m in zip(layer_avg, layer_max, strict=True))
+        assert max(layer_max) == pytest.approx(record["max_span"])
+        assert sum(layer_avg) / MODEL.n_layers == pytest.approx(record["avg_span"])
     assert [r["valid_bpc"] is not None for r in lines] == [False, False, True, False, False, True]
     # step s is optimiser update s - 1: warm-up 0, 1/4, 2/4, 3/4, then 1, then lr/10 (last 2)
     expected = [0.0, 0.25, 0.5, 0.75, 0.1, 0.1]

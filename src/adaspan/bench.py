@@ -1,7 +1,8 @@
 """Throughput and memory of a configuration: train, eval and generation chars/s, FLOPs.
 
 Protocol (the same for every configuration): one warm-up step, then ``steps`` timed steps with
-the cache carried from step to step; the median is reported. Training carries hidden states
+the cache carried from step to step; the median (or the mean, ``statistic="mean"``, the
+protocol of the authors' benchmark script) is reported. Training carries hidden states
 (their keys are recomputed with the current weights); evaluation and generation carry keys and
 values (:class:`adaspan.cache.KeyValueCache`). ``flops_per_char`` is the paper's convention
 (multiply-adds, :func:`adaspan.analysis.flops_per_char`); the GFLOP/s figures count 2 FLOPs per
@@ -28,11 +29,15 @@ def matmul_gflops(size: int = 2048, repeats: int = 5, device: torch.device | Non
     """This machine's fp32 matrix-multiply rate: median over ``repeats`` square products."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
-    seconds = _median_time(lambda: a @ b, repeats, device)
+    seconds = _time(lambda: a @ b, repeats, device)
     return 2 * size**3 / seconds / 1e9
 
 
-def _median_time(step: Callable[[], object], repeats: int, device: torch.device | None) -> float:
+def _time(
+    step: Callable[[], object], repeats: int, device: torch.device | None,
+    statistic: str = "median",
+) -> float:
+    """Seconds of ``step``: one warm-up call, then the median or mean of ``repeats`` calls."""
     step()  # warm-up
     times = []
     for _ in range(repeats):
@@ -41,7 +46,7 @@ def _median_time(step: Callable[[], object], repeats: int, device: torch.device 
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times) if statistic == "median" else statistics.fmean(times)
 
 
 def build_bench_model(config: ModelConfig, spans: str | None, device: torch.device) -> SpanLM:
@@ -66,14 +71,15 @@ def bench(
     gen_chars: int = 64,
     device: torch.device | None = None,
     dtype: str = "float32",
+    statistic: str = "median",
 ) -> dict:
     """Measure ``config`` (see the module docstring); returns a flat dict of figures."""
     device = device or torch.device("cpu")
     model = build_bench_model(config, spans, device)
     chars = batch_size * block_size
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-    train_s = _time_train(model, batch_size, block_size, steps, device, autocast)
-    eval_s = _time_eval(model, batch_size, block_size, steps, device, autocast)
+    train_s = _time_train(model, batch_size, block_size, steps, device, autocast, statistic)
+    eval_s = _time_eval(model, batch_size, block_size, steps, device, autocast, statistic)
     gen_s = _time_generation(model, block_size, gen_chars, device)
     flops = flops_per_char(model, block_size)  # paper's convention: multiply-adds
     train_cps, eval_cps = chars / train_s, chars / eval_s
@@ -98,7 +104,7 @@ def bench(
     }
 
 
-def _time_train(model, batch_size, block_size, steps, device, autocast) -> float:
+def _time_train(model, batch_size, block_size, steps, device, autocast, statistic) -> float:
     model.train()
     optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-9)  # the paper's optimiser
     cache = [model.empty_cache(batch_size)]
@@ -115,11 +121,11 @@ def _time_train(model, batch_size, block_size, steps, device, autocast) -> float
         optimizer.step()
         model.clamp_spans()
 
-    return _median_time(step, steps, device)
+    return _time(step, steps, device, statistic)
 
 
 @torch.no_grad()
-def _time_eval(model, batch_size, block_size, steps, device, autocast) -> float:
+def _time_eval(model, batch_size, block_size, steps, device, autocast, statistic) -> float:
     model.eval()
     cache = [model.empty_cache(batch_size, keys_values=True)]
 
@@ -129,7 +135,7 @@ def _time_eval(model, batch_size, block_size, steps, device, autocast) -> float:
         with autocast:
             _, cache[0] = model(tokens, cache[0])
 
-    return _median_time(step, steps, device)
+    return _time(step, steps, device, statistic)
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ presets, demo, convert-official."""
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 import time
@@ -89,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from .analysis import PlotError
     from .checkpoint import RunDirError
     from .data import DataError
 
-    return (DataError, RunDirError)
+    return (DataError, RunDirError, PlotError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"adaspan {__version__}")
     commands = parser.add_subparsers(metavar="COMMAND")
-    for add in (_add_train, _add_evaluate, _add_generate, _add_inspect, _add_bench,
+    for add in (_add_train, _add_evaluate, _add_generate, _add_inspect, _add_report, _add_bench,
                 _add_download, _add_presets, _add_demo, _add_compare, _add_convert_official):
         add(commands)
     return parser
@@ -242,20 +244,23 @@ def _official_split(
 
 
 def _add_generate(commands) -> None:
-    p = commands.add_parser("generate", help="sample text from a trained model")
+    p = commands.add_parser("generate", help="sample text from a trained model",
+                            description="Print the prompt, then each character as it is sampled.")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--length", type=int, default=500, help="bytes to generate")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely bytes only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true",
+                   help="no streaming: print one JSON object with the text and its speed")
     p.set_defaults(run=_generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from .checkpoint import load_model
-    from .generate import generate
+    from .generate import stream
     from .official import byte_codec, read_vocab
 
     vocab = read_vocab(args.run_dir)
@@ -267,12 +272,33 @@ def _generate(args: argparse.Namespace) -> int:
         if missing:
             raise CLIError(f"the prompt has bytes outside this run's vocabulary: {missing}")
         prompt = bytes(to_id[b] for b in prompt or b"\n")
-    out = generate(model, prompt, args.length, args.temperature, args.top_k,
-                   torch.Generator().manual_seed(args.seed))
-    if to_byte is not None:
-        out = bytes(to_byte[i] for i in out)
-    print(args.prompt + out.decode("utf-8", errors="replace"))
+    tokens = stream(model, prompt, args.length, args.temperature, args.top_k,
+                    torch.Generator().manual_seed(args.seed))
+    chars = (to_byte[token] for token in tokens) if to_byte is not None else tokens
+    if args.json:
+        tic = time.perf_counter()
+        text = bytes(chars)
+        seconds = time.perf_counter() - tic
+        print(json.dumps({"prompt": args.prompt, "text": text.decode("utf-8", errors="replace"),
+                          "chars": len(text), "seconds": round(seconds, 6),
+                          "chars_per_s": round(len(text) / seconds, 3) if seconds else None}))
+    else:
+        _write_stream(args.prompt, chars)
     return 0
+
+
+def _write_stream(prompt: str, chars) -> None:
+    """Write ``prompt``, then each byte of ``chars`` as it comes (UTF-8 decoded incrementally)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    for char in chars:
+        text = decoder.decode(bytes([char]))
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    sys.stdout.flush()
 
 
 # -------------------------------------------------------------------------------------- inspect
@@ -312,6 +338,44 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------- report
+
+
+def _add_report(commands) -> None:
+    p = commands.add_parser(
+        "report", help="one HTML page with a run's curves, spans and the paper's figures",
+        description="Write OUT/report.html, a self-contained page (figures embedded): the "
+        "configuration, bpc curves, spans during training, the final spans (paper Figure 4), "
+        "FLOPs and memory against the span limit (Figure 3) and, for dynamic spans, the span "
+        "along a text (Figure 5); and OUT/report.json, the numbers behind the figures.")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("--out", type=Path, metavar="DIR", help="output directory [RUN_DIR/report]")
+    p.add_argument("--text", help="text of the Figure 5 panel (dynamic spans) [a piece of the "
+                   "run's valid split]")
+    p.add_argument("--limits", default="256,512,1024,2048,4096,8192",
+                   help="span limits S of the Figure 3 panel [default: %(default)s]")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the memory probe (one training step per limit and curve)")
+    p.add_argument("--device", default="cpu", help="where the model and memory probe run")
+    p.set_defaults(run=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    try:
+        limits = [int(v) for v in args.limits.split(",") if v.strip()]
+    except ValueError:
+        raise CLIError(f"--limits takes integers separated by commas, got {args.limits!r}") \
+            from None
+    if not limits or min(limits) < 1:
+        raise CLIError(f"--limits takes positive integers, got {args.limits!r}")
+    page = write_report(args.run_dir, args.out, args.text, limits, not args.no_memory,
+                        _device(args.device))
+    print(f"wrote {page}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- bench
 
 
@@ -329,6 +393,8 @@ def _add_bench(commands) -> None:
     p.add_argument("--gen-chars", type=int, default=64, help="characters generated for timing")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--statistic", choices=("median", "mean"), default="median",
+                   help="of the timed steps (mean: the protocol of the authors' bench script)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_bench)
 
@@ -339,7 +405,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     model_config, _ = resolve_config(args.preset, args.config, args.overrides)
     result = bench(model_config, args.batch_size, args.block_size, args.spans, args.steps,
-                   args.gen_chars, _device(args.device), args.dtype)
+                   args.gen_chars, _device(args.device), args.dtype, args.statistic)
     if args.json:
         print(json.dumps(_rounded(result)))
     else:
@@ -442,7 +508,9 @@ def _add_compare(commands) -> None:
         "compare", help="train several attention methods on one budget and tabulate them",
         description="Train each method on the same data, with the same seed and budget, then "
         "evaluate it and write a table in the form of the paper's Table 1 to OUT/compare.md "
-        "and OUT/compare.csv. Re-running with the same --out reuses the finished runs.",
+        "and OUT/compare.csv, and the methods' curves side by side (bpc against training time "
+        "and steps, average span) to OUT/compare_curves.png and OUT/compare.html. Re-running "
+        "with the same --out reuses the finished runs.",
     )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="override any option for every method, e.g. d_model=128")

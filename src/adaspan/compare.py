@@ -3,7 +3,8 @@
 Each method is trained with the same data, seed and budget (steps, or seconds of training per
 method) into ``out_dir/<method>``, then its final model is evaluated on the valid (and test)
 split. A method whose directory holds a finished run of the same configuration is reused, so
-an interrupted comparison can be re-run cheaply.
+an interrupted comparison can be re-run cheaply. With matplotlib, the methods' curves are drawn
+side by side (``compare_curves.png``, ``compare.html``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .analysis import flops_per_char, span_summary
+from .analysis import PlotError, flops_per_char, span_summary
 from .checkpoint import RunDirError, atomic_write, load_model
 from .config import ATTENTIONS, ModelConfig
 from .data import load_corpus
@@ -93,7 +94,21 @@ def compare(
     markdown = f"{_caption(train_config, eval_chars)}\n\n{format_markdown(rows)}"
     (out_dir / MARKDOWN_FILE).write_text(markdown)
     log(f"wrote {out_dir / MARKDOWN_FILE} and {out_dir / CSV_FILE}")
+    _write_figures(out_dir, methods, markdown, log)
     return rows
+
+
+def _write_figures(out_dir: Path, methods: list[str], markdown: str,
+                   log: Callable[[str], None]) -> None:
+    """The methods' curves side by side (PNG and an HTML page); skipped without matplotlib."""
+    from .report import COMPARE_FIGURE, write_compare_page
+
+    try:
+        page = write_compare_page(out_dir, methods, markdown)
+    except PlotError as err:
+        log(f"no figures: {err}")
+        return
+    log(f"wrote {out_dir / COMPARE_FIGURE} and {page}")
 
 
 def _check_methods(methods: list[str]) -> None:

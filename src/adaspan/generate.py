@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .model import SpanLM
 
 
-@torch.no_grad()
 def generate(
     model: SpanLM,
     prompt: bytes,
@@ -16,11 +17,24 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
 ) -> bytes:
-    """Continue ``prompt`` by ``length`` bytes sampled from the model.
+    """Continue ``prompt`` by ``length`` bytes sampled from the model (all of :func:`stream`)."""
+    return bytes(stream(model, prompt, length, temperature, top_k, generator))
+
+
+def stream(
+    model: SpanLM,
+    prompt: bytes,
+    length: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Iterator[int]:
+    """Yield ``length`` tokens continuing ``prompt``, each as soon as it is sampled.
 
     The prompt is read as one block; then each new byte is a block of one token that attends to
     the cached keys and values, so the cost per byte follows the heads' spans. ``temperature``
-    scales the logits (0 = greedy); ``top_k`` keeps only the k most likely bytes.
+    scales the logits (0 = greedy); ``top_k`` keeps only the k most likely bytes. Arguments are
+    checked at the call; the model is in eval mode until the iterator is exhausted or closed.
     """
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
@@ -28,18 +42,26 @@ def generate(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
         raise ValueError(f"top_k must be in [1, {model.config.vocab_size}], got {top_k}")
+    return _stream(model, prompt, length, temperature, top_k, generator)
+
+
+@torch.no_grad()
+def _stream(
+    model: SpanLM, prompt: bytes, length: int, temperature: float, top_k: int | None, generator
+) -> Iterator[int]:
     was_training = model.training
     model.eval()
-    device = model.embed.weight.device
-    context = torch.tensor(list(prompt or b"\n"), dtype=torch.long, device=device)[None]
-    log_probs, cache = model(context, model.empty_cache(1, keys_values=True))
-    out = bytearray()
-    for _ in range(length):
-        token = _sample(log_probs[0, -1], temperature, top_k, generator)
-        out.append(token)
-        log_probs, cache = model(torch.tensor([[token]], device=device), cache)
-    model.train(was_training)
-    return bytes(out)
+    try:
+        device = model.embed.weight.device
+        context = torch.tensor(list(prompt or b"\n"), dtype=torch.long, device=device)[None]
+        log_probs, cache = model(context, model.empty_cache(1, keys_values=True))
+        for i in range(length):
+            token = _sample(log_probs[0, -1], temperature, top_k, generator)
+            yield token
+            if i + 1 < length:
+                log_probs, cache = model(torch.tensor([[token]], device=device), cache)
+    finally:
+        model.train(was_training)
 
 
 def _sample(

@@ -23,14 +23,24 @@ class MetricsLog:
         with self.path.open("a") as out:
             out.write(json.dumps(record) + "\n")
         if self.writer is not None:
-            for name, value in record.items():
-                if name != "step" and value is not None:
-                    self.writer.add_scalar(name, value, record["step"])
+            for name, value in _scalars(record):
+                self.writer.add_scalar(name, value, record["step"])
             self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _scalars(record: dict) -> list[tuple[str, float]]:
+    """The record's values as TensorBoard scalars: a list ``x`` becomes ``x/0``, ``x/1``..."""
+    scalars = []
+    for name, value in record.items():
+        if isinstance(value, list):
+            scalars += [(f"{name}/{i}", v) for i, v in enumerate(value)]
+        elif name != "step" and value is not None:
+            scalars.append((name, value))
+    return scalars
 
 
 def _drop_records_after(path: Path, step: int) -> None:

@@ -470,6 +470,7 @@ class _Run:
         train_bpc = self.dist.mean(self.window.bpc(), self.device)
         valid_bpc = self._validate() if validate and self.dist.is_main else None
         avg_span, max_span = self._spans()
+        layers = self.model.spans()
         record = {
             "step": self.state.step,
             "train_bpc": train_bpc,
@@ -478,6 +479,8 @@ class _Run:
             "chars_per_s": self.window.chars_per_s(self.chars_per_step),
             "avg_span": avg_span,
             "max_span": max_span,
+            "layer_avg_span": [sum(layer) / len(layer) for layer in layers],
+            "layer_max_span": [max(layer) for layer in layers],
             "elapsed": self._elapsed(),
         }
         if self.metrics is not None:

@@ -1,0 +1,119 @@
+"""adaspan against the authors' code, side by side: alternating rounds in one run, one machine.
+
+Usage:
+    python scripts/against_official.py --official ../shared/anchors/bench_official.py \
+        [--configs reference,fixed-1024,...] [--rounds 3] [--steps 8] [--out results.json]
+
+For each configuration, each round runs `adaspan bench` (``--statistic mean``) and the authors'
+benchmark script (same model, spans, batch and block; the mean of ``--steps`` steps after one
+warm-up step, each in a fresh process), one after the other; a configuration's figure is the
+median over the rounds of each side, and the ratio is adaspan / authors of those medians. Every
+round is printed too, with the machine's fp32 matmul rate measured by adaspan in that round.
+Prints JSON lines (one per round, then one per configuration), then a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# name: (layers, d_model, heads, d_inner, S, spans, block, batch)
+CONFIGS = {
+    "reference": (4, 256, 4, 1024, 8192, "32,64,128,1024", 256, 8),
+    "fixed-1024": (4, 256, 4, 1024, 1024, "fixed", 256, 8),
+    "8-layers": (8, 256, 4, 1024, 8192, "32,64,128,1024", 256, 8),
+    "wide": (4, 512, 8, 2048, 8192, "32,64,128,1024", 256, 4),
+    "spans-256": (4, 256, 4, 1024, 4096, "64,256,256,512", 256, 8),
+    "block-512": (4, 256, 4, 1024, 8192, "32,64,128,1024", 512, 4),
+}
+
+
+def adaspan(config: tuple, steps: int) -> dict:
+    layers, d, heads, inner, span, spans, block, batch = config
+    cmd = [sys.executable, "-m", "adaspan.cli", "bench", f"n_layers={layers}", f"d_model={d}",
+           f"n_heads={heads}", f"d_inner={inner}", f"max_span={span}", "ramp=32", "dropout=0",
+           "vocab_size=256", "--spans", spans, "--block-size", str(block), "--batch-size",
+           str(batch), "--steps", str(steps), "--statistic", "mean", "--gen-chars", "2",
+           "--json"]
+    return _json(cmd)
+
+
+def authors(official: Path, config: tuple, steps: int) -> dict:
+    layers, d, heads, inner, span, spans, block, batch = config
+    cmd = [sys.executable, str(official), "--layers", str(layers), "--hidden", str(d),
+           "--heads", str(heads), "--inner", str(inner), "--span", str(span), "--spans", spans,
+           "--block", str(block), "--batch", str(batch), "--steps", str(steps), "--ramp", "32"]
+    return _json(cmd)
+
+
+def _json(cmd: list[str]) -> dict:
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure(name: str, official: Path, rounds: int, steps: int) -> dict:
+    """Alternating rounds of one configuration; medians and ratios."""
+    config, rows = CONFIGS[name], []
+    for round_ in range(rounds):
+        ours, theirs = adaspan(config, steps), authors(official, config, steps)
+        row = {"config": name, "round": round_ + 1, "matmul_gflops": ours["matmul_gflops"],
+               **{f"{side}_{kind}": figures[f"{kind}_chars_per_s"]
+                  for side, figures in (("adaspan", ours), ("authors", theirs))
+                  for kind in ("train", "eval")},
+               "adaspan_train_gflops": ours["train_gflops"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    medians = {key: statistics.median(r[key] for r in rows) for key in rows[0]
+               if key not in ("config", "round")}
+    summary = {"config": name, "rounds": rows, **medians,
+               "train_ratio": medians["adaspan_train"] / medians["authors_train"],
+               "eval_ratio": medians["adaspan_eval"] / medians["authors_eval"]}
+    return summary
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| configuration | round | authors train / eval chars/s | adaspan train / eval "
+             "chars/s | ratio train / eval | matmul GFLOP/s |", "|---|---|---|---|---|---:|"]
+    for result in results:
+        for r in result["rounds"]:
+            lines.append(
+                f"| {result['config']} | {r['round']} | {r['authors_train']:,.0f} / "
+                f"{r['authors_eval']:,.0f} | {r['adaspan_train']:,.0f} / {r['adaspan_eval']:,.0f}"
+                f" | {r['adaspan_train'] / r['authors_train']:.2f}x / "
+                f"{r['adaspan_eval'] / r['authors_eval']:.2f}x | {r['matmul_gflops']:.0f} |")
+        lines.append(f"| **{result['config']}** | median | {result['authors_train']:,.0f} / "
+                     f"{result['authors_eval']:,.0f} | {result['adaspan_train']:,.0f} / "
+                     f"{result['adaspan_eval']:,.0f} | **{result['train_ratio']:.2f}x / "
+                     f"{result['eval_ratio']:.2f}x** | {result['matmul_gflops']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--official", type=Path, required=True,
+                        help="the authors' benchmark script (bench_official.py)")
+    parser.add_argument("--configs", default="reference,fixed-1024",
+                        help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", type=Path, help="also write the results as JSON")
+    args = parser.parse_args()
+    names = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from "
+                     f"{', '.join(CONFIGS)}")
+    results = [measure(name, args.official, args.rounds, args.steps) for name in names]
+    for result in results:
+        print(json.dumps({k: v for k, v in result.items() if k != "rounds"}))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""`adaspan report`: the HTML page of a run, the numbers behind its figures (paper Figures 3-5),
+the memory probe, and the compare figures."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import re
+import shutil
+import sys
+
+import pytest
+import torch
+
+from adaspan import ModelConfig
+from adaspan.analysis import compare_figure
+from adaspan.checkpoint import load_model
+from adaspan.cli import main
+from adaspan.data import load_corpus
+from adaspan.report import (
+    DATA_FILE,
+    FIXED,
+    LEARNED,
+    REPORT_FILE,
+    TEXT_CHARS,
+    default_text,
+    dynamic_spans,
+    flops_curves,
+    profiled_peak,
+    write_report,
+)
+from adaspan.train import TrainConfig, train
+
+MODEL = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
+                    span_bucket=8, span_init=0.3, dropout=0.1)
+LIMITS = (16, 32, 64, 128)
+FIGURES = ["fig-bpc", "fig-span-history", "fig-spans", "fig-cost"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Tiny fixed, adaptive and dynamic runs of 4 steps on the bundled corpus."""
+    root = tmp_path_factory.mktemp("report")
+    config = TrainConfig(data="kjv", batch_size=2, block_size=32, steps=4, optimizer="adamw",
+                         lr=3e-3, warmup=1, eval_interval=2, eval_chars=128, log_interval=1,
+                         checkpoint_interval=4, device="cpu", tensorboard=False)
+    paths = {}
+    for attention in ("fixed", "adaptive", "dynamic"):
+        paths[attention] = root / attention
+        train(ModelConfig(**{**MODEL.to_dict(), "attention": attention}), config,
+              paths[attention], progress=False, log=lambda message: None)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def reports(runs) -> dict:
+    """Each run's report (memory probe included) as (html, data)."""
+    out = {}
+    for attention, run_dir in runs.items():
+        page = write_report(run_dir, limits=LIMITS)
+        out[attention] = (page.read_text(), json.loads((page.parent / DATA_FILE).read_text()))
+    return out
+
+
+def _images(page: str) -> list[bytes]:
+    return [base64.b64decode(m) for m in re.findall(r"src='data:image/png;base64,([^']+)'", page)]
+
+
+@pytest.mark.parametrize("attention", ["fixed", "adaptive", "dynamic"])
+def test_report_embeds_every_figure(reports, attention):
+    page, _ = reports[attention]
+    expected = FIGURES + (["fig-dynamic"] if attention == "dynamic" else [])
+    assert re.findall(r"<section id='(fig-[a-z-]+)'>", page) == sorted(
+        expected, key=["fig-bpc", "fig-span-history", "fig-spans", "fig-cost",
+                       "fig-dynamic"].index)
+    images = _images(page)
+    assert len(images) == len(expected)
+    assert all(image.startswith(PNG) and len(image) > 5000 for image in images)
+    assert "http://" not in page and "https://" not in page  # nothing to fetch
+    assert ("Figure 5" in page) == (attention == "dynamic")
+
+
+@pytest.mark.parametrize("attention", ["fixed", "adaptive", "dynamic"])
+def test_report_states_configuration_and_parameter_count(runs, reports, attention):
+    page, data = reports[attention]
+    params = load_model(runs[attention]).num_parameters()
+    assert data["parameters"] == params and f"{params:,}" in page
+    assert "<th>max_span</th><td>64</td>" in page and f"<td>{attention}</td>" in page
+    assert "torch.profiler" in page  # the page says how memory was measured
+
+
+def test_cost_panel_fixed_grows_linearly_learned_stays_flat(reports):
+    _, data = reports["adaptive"]
+    costs = data["costs"]
+    fixed, learned = costs["curves"][FIXED]["flops"], costs["curves"][LEARNED]["flops"]
+    assert costs["limits"] == list(LIMITS)
+    per_key = 2 * MODEL.d_model * MODEL.n_layers  # 2 d_head per key, every head of every layer
+    for i in range(1, len(LIMITS)):
+        assert fixed[i] - fixed[i - 1] == pytest.approx(per_key * (LIMITS[i] - LIMITS[i - 1]))
+    longest = max(max(layer) for layer in data["spans"])
+    assert 16 < longest < 32  # span_init 0.3: z + R = 0.3 * 64 + 8, barely moved in 4 steps
+    assert learned[0] == pytest.approx(fixed[0])  # S = 16: every span clipped to S
+    assert learned[1] == learned[2] == learned[3] < fixed[1]  # S >= every span: flat
+
+
+def test_cost_panel_memory_grows_linearly_with_fixed_span_only(reports):
+    _, data = reports["adaptive"]
+    fixed = data["costs"]["curves"][FIXED]["memory_mb"]
+    learned = data["costs"]["curves"][LEARNED]["memory_mb"]
+    assert len(fixed) == len(learned) == len(LIMITS)
+    growth = [b - a for a, b in itertools.pairwise(fixed)]  # S doubles: 16 ... 128
+    assert growth[0] > 0 and growth[1:] == pytest.approx([2 * growth[0], 4 * growth[0]], rel=0.05)
+    assert learned[0] == pytest.approx(fixed[0], rel=0.01)  # S = 16: every span clipped to S
+    assert learned[1:] == pytest.approx([learned[1]] * 3, rel=0.01) and learned[3] < fixed[3]
+
+
+def test_fixed_run_has_no_learned_curve(reports):
+    page, data = reports["fixed"]
+    assert list(data["costs"]["curves"]) == [FIXED]
+    assert "has no learned spans" in page
+
+
+def test_flops_curve_of_a_model_with_learned_spans():
+    spans = [[8.0, 40.0], [20.0, 100.0]]
+    curves = flops_curves(MODEL, spans, [64, 256], block_size=32)
+    keys = 2 * (MODEL.d_model // MODEL.n_heads)  # multiply-adds per attended key and head
+    assert curves[LEARNED][1] - curves[LEARNED][0] == pytest.approx(keys * (100 - 64))
+    assert curves[FIXED][1] - curves[FIXED][0] == pytest.approx(keys * 4 * (256 - 64))
+
+
+def test_profiled_peak_is_the_maximum_of_live_allocations():
+    def allocate():
+        big = torch.empty(10_000_000, dtype=torch.uint8)
+        del big
+        return [torch.empty(n, dtype=torch.uint8) for n in (4_000_000, 3_000_000)]
+
+    peak = profiled_peak(allocate)
+    assert 10_000_000 <= peak < 10_100_000
+    assert profiled_peak(lambda: torch.empty(12_000_000, dtype=torch.uint8)) >= 12_000_000
+
+
+def test_dynamic_spans_follow_the_equation_in_the_first_layer(runs, reports):
+    _, data = reports["dynamic"]
+    text = data["dynamic"]["text"]
+    spans = data["dynamic"]["spans"]
+    assert len(spans) == MODEL.n_layers and all(len(s) == len(text.encode()) for s in spans)
+    model = load_model(runs["dynamic"])
+    tokens = torch.tensor(list(text.encode()))
+    span = model.layers[0].attn.span  # its input is the embedding: z_t = S sigmoid(v.x_t + b)
+    z = MODEL.max_span * torch.sigmoid(model.embed(tokens) @ span.v.t() + span.b)
+    want = (z + MODEL.ramp).clamp(max=MODEL.max_span).mean(dim=1)
+    assert spans[0] == pytest.approx(want.tolist(), rel=1e-5)
+    assert dynamic_spans(model, list(text.encode()))[0] == pytest.approx(spans[0], rel=1e-5)
+    assert all(MODEL.ramp <= s <= MODEL.max_span for layer in spans for s in layer)
+
+
+def test_default_text_is_a_sentence_of_the_valid_split(runs):
+    text = default_text({"train": {"data": "kjv"}})
+    valid = bytes(load_corpus("kjv", progress=False).valid[:4000]).decode("ascii")
+    assert text in valid and text[0].isupper() and TEXT_CHARS // 2 < len(text) <= TEXT_CHARS
+    assert default_text({"train": {"data": "/no/such/corpus.txt"}}).startswith("The span")
+
+
+def test_cli_report_with_text_out_and_no_memory(runs, tmp_path, capsys):
+    out = tmp_path / "page"
+    assert main(["report", str(runs["dynamic"]), "--out", str(out), "--text", "abc <de>",
+                 "--limits", "32,64", "--no-memory"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out / REPORT_FILE}"
+    data = json.loads((out / DATA_FILE).read_text())
+    assert data["dynamic"]["text"] == "abc <de>" and len(data["dynamic"]["spans"][0]) == 8
+    assert data["costs"]["curves"][FIXED]["memory_mb"] == []
+    page = (out / REPORT_FILE).read_text()
+    assert "abc &lt;de&gt;" in page and "peak memory" not in page
+
+
+def test_old_runs_without_per_layer_records_draw_the_overall_spans(runs, tmp_path):
+    run_dir = tmp_path / "old"
+    shutil.copytree(runs["adaptive"], run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps({k: v for k, v in r.items() if "layer" not in k})
+                               + "\n" for r in records))
+    page = write_report(run_dir, limits=(32,), memory=False).read_text()
+    assert "hold no per-layer spans" in page and len(_images(page)) == len(FIGURES)
+
+
+def test_missing_matplotlib_is_a_one_line_error(runs, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["report", str(runs["fixed"]), "--no-memory"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "adaspan[plot]" in err
+
+
+def test_bad_limits_are_one_line_errors(runs, capsys):
+    assert main(["report", str(runs["fixed"]), "--limits", "64,x"]) == 2
+    assert "--limits" in capsys.readouterr().err
+
+
+def test_compare_figure_draws_every_method_against_time():
+    def events(bpc: float) -> list[dict]:
+        return [{"step": s, "elapsed": 60.0 * s, "train_bpc": bpc - s / 10,
+                 "valid_bpc": bpc - s / 10 if s % 2 == 0 else None, "avg_span": 40.0 + s}
+                for s in range(1, 5)]
+
+    fig = compare_figure({"fixed": events(5.0), "adaptive": events(4.0)})
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    assert labels == ["_nolegend_", "fixed", "_nolegend_", "adaptive"]  # one entry per method
+    assert list(fig.axes[0].lines[1].get_xdata()) == [2.0, 4.0]  # minutes: 120 s, 240 s
+    assert fig.axes[0].get_xlabel() == "wall time (minutes of training)"
