@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from reference import reference_attention
 
 from adaspan import ModelConfig, soft_mask
-from adaspan.attention import SpanAttention, banded_attention, ramp_columns, skew
+from adaspan.attention import (
+    SpanAttention,
+    _BandSoftmax,
+    banded_attention,
+    ramp_columns,
+    skew,
+)
 from adaspan.config import ATTENTIONS
 from adaspan.model import ATTENTION_TYPES
 
@@ -64,7 +72,8 @@ def test_fast_path_matches_reference(kind, truncation, block, cached):
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spans", [[8.0] * 4, [20.0, 9.0, 48.0, 33.0], [48.0] * 4])
+@pytest.mark.parametrize("spans", [[8.0] * 4, [20.0, 9.0, 48.0, 33.0], [48.0] * 4,
+                                   [20.0, 9.0, 20.5, 9.5]])  # groups of non-consecutive heads
 def test_fast_path_matches_reference_at_several_spans(spans):
     attn = make_attention("adaptive")
     attn.span.set_spans(torch.tensor(spans))
@@ -74,12 +83,13 @@ def test_fast_path_matches_reference_at_several_spans(spans):
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_gradients_match_reference(kind):
+@pytest.mark.parametrize(("kind", "spans"), [(kind, [8.25, 13.5, 30.7, 44.1]) for kind in KINDS]
+                         + [("adaptive", [20.25, 9.5, 20.5, 9.75])])  # non-consecutive groups
+def test_gradients_match_reference(kind, spans):
     """Where the mask is differentiable (z + R not an integer), gradients equal the reference's."""
     attn = make_attention(kind).double()
     if kind == "adaptive":
-        attn.span.set_spans(torch.tensor([8.25, 13.5, 30.7, 44.1]))
+        attn.span.set_spans(torch.tensor(spans))
     x, cache = torch.randn(2, 6, 16, dtype=torch.float64), torch.randn(2, 20, 16,
                                                                        dtype=torch.float64)
     weights = torch.randn(2, 6, 16, dtype=torch.float64)
@@ -156,12 +166,28 @@ def test_one_query_path_equals_chunked_path(z_shape):
         torch.testing.assert_close(got, expected)
 
 
-def test_skew_of_pieces_and_its_gradient():
+def test_skew_and_its_gradient():
     x = torch.randn(2, 3, 5, 7, dtype=torch.float64, requires_grad=True)
-    pieces = (x[..., :2], x[..., 2:])
-    torch.testing.assert_close(skew(*pieces, fill=-1.0), skew(x, fill=-1.0))
     assert skew(x, fill=-1.0)[0, 0, 4].tolist() == [-1.0] * 4 + x[0, 0, 4].tolist()
-    torch.autograd.gradcheck(lambda a, b: skew(a, b, fill=3.0), (x[..., :2], x[..., 2:]))
+    torch.autograd.gradcheck(lambda x: skew(x, 3.0), (x,))
+
+
+def test_band_softmax_equals_softmax_of_skewed_scores():
+    """The fused eqs. 1-2 against their plain composition, values and gradients."""
+    c, w, dh = 5, 7, 3
+    q = torch.randn(2, 3, c, dh, dtype=torch.float64, requires_grad=True)
+    k_t = torch.randn(2, 3, dh, w + c - 1, dtype=torch.float64, requires_grad=True)
+    position = torch.randn(2, 3, c, w, dtype=torch.float64, requires_grad=True)
+    log_mask = torch.randn(1, 3, c, 2, dtype=torch.float64, requires_grad=True)  # broadcast
+
+    def plain(q, k_t, position, log_mask):
+        masked = torch.cat([position[..., :2] + log_mask, position[..., 2:]], dim=-1)
+        return torch.softmax(q @ k_t + skew(masked, -math.inf), dim=-1)
+
+    inputs = (q, k_t, position, log_mask)
+    torch.testing.assert_close(_BandSoftmax.apply(*inputs), plain(*inputs))
+    assert torch.autograd.gradcheck(_BandSoftmax.apply, inputs)
+    assert torch.autograd.gradcheck(lambda *t: _BandSoftmax.apply(*t, None), inputs[:3])
 
 
 @pytest.mark.parametrize("z_shape", [None, (1, 2, 1), (2, 2, 70)])

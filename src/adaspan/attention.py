@@ -25,57 +25,100 @@ from .config import ModelConfig
 from .span import Span, soft_mask
 
 
-def skew(*pieces: Tensor, fill: float = 0.0) -> Tensor:
+def skew(x: Tensor, fill: float = 0.0) -> Tensor:
     """Shift row i of ``x[..., c, w]`` right by i: ``out[..., i, j] = x[..., i, j - i]``.
 
-    ``x`` is the concatenation of ``pieces`` along the last dimension (one tensor, or several
-    computed separately). Entries with ``j - i`` outside [0, w) are ``fill``. Output shape
-    (..., c, w + c - 1).
+    Entries with ``j - i`` outside [0, w) are ``fill``. Output shape (..., c, w + c - 1).
     """
-    return _Skew.apply(fill, *pieces)
+    return _Skew.apply(fill, x)
+
+
+def _band(out: Tensor, width: int, start: int = 0) -> Tensor:
+    """``out[..., i, i + start + j]`` for j < width, a strided view of ``out`` (..., c, length)
+    (contiguous in its last two dimensions): element (i, i + j) sits at offset
+    i * (length + 1) + j. With ``start = w`` and ``width = c`` (rows 0 .. c - 2) it is the gap
+    between one row's band of w entries and the next row's."""
+    c, length = out.shape[-2:]
+    rows = c if start == 0 else c - 1
+    stride = (*out.stride()[:-2], length + 1, 1)
+    return out.as_strided((*out.shape[:-2], rows, width), stride, out.storage_offset() + start)
 
 
 class _Skew(torch.autograd.Function):
-    """:func:`skew` with one copy forward (the pieces and the fill written side by side), and
-    a backward that reads each piece's gradient from the band as a strided view: no copy."""
+    """:func:`skew` with one copy forward (``x`` and the fill written side by side), and a
+    backward that reads the gradient of ``x`` from the band as a strided view: no copy."""
 
     @staticmethod
-    def forward(ctx, fill: float, *pieces: Tensor) -> Tensor:
-        lead, c = pieces[0].shape[:-2], pieces[0].shape[-2]
-        ctx.widths = [piece.shape[-1] for piece in pieces]
-        w = sum(ctx.widths)
-        pad = pieces[0].new_full((1,), fill).expand(*lead, c, c)
-        flat = torch.cat([*pieces, pad], dim=-1).flatten(-2)[..., : c * (w + c - 1)]
+    def forward(ctx, fill: float, x: Tensor) -> Tensor:
+        lead, (c, w) = x.shape[:-2], x.shape[-2:]
+        ctx.w = w
+        pad = x.new_full((1,), fill).expand(*lead, c, c)
+        flat = torch.cat([x, pad], dim=-1).flatten(-2)[..., : c * (w + c - 1)]
         return flat.view(*lead, c, w + c - 1)
 
     @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, Tensor]:
+        return None, _band(grad.contiguous(), ctx.w)
+
+
+class _BandSoftmax(torch.autograd.Function):
+    """Attention weights of a chunk of queries, eqs. 1-2 in one pass over the score tile:
+    ``softmax(q k^T + skew(position + log_mask))`` over keys, -inf outside the band.
+
+    q: (..., c, dh); k_t: (..., dh, L) with L = w + c - 1 (key j of the window is column j);
+    position: (..., c, w), the position scores in distance layout (column j: distance w - j);
+    log_mask: None, or log m_z of the first ``width`` columns of ``position`` (broadcastable).
+    The tile is written once by the product, the positions are added through its band view
+    and the band's complement is filled with -inf in place (no skew copy, no separate score
+    tiles); the backward reads the gradients of ``position`` and ``log_mask`` from the band.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k_t: Tensor, position: Tensor, log_mask: Tensor | None):
+        lead, (c, w) = position.shape[:-2], position.shape[-2:]
+        scores = (q.flatten(0, -3) @ k_t.flatten(0, -3)).view(*lead, c, w + c - 1)
+        band = _band(scores, w)
+        band.add_(position)
+        if log_mask is not None:
+            band[..., : log_mask.shape[-1]].add_(log_mask)
+        _band(scores, c, start=w).fill_(-math.inf)
+        attn = torch.softmax(scores, dim=-1)
+        ctx.save_for_backward(q, k_t, attn)
+        ctx.log_mask = None if log_mask is None else (log_mask.shape, log_mask.dtype)
+        return attn
+
+    @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        grad = grad.contiguous()  # x[..., i, j] sits at offset i * (length + 1) + j
-        c, length = grad.shape[-2:]
-        stride = (*grad.stride()[:-2], length + 1, 1)
-        grads, offset = [], grad.storage_offset()
-        for width in ctx.widths:
-            grads.append(grad.as_strided((*grad.shape[:-2], c, width), stride, offset))
-            offset += width
-        return (None, *grads)
+        q, k_t, attn = ctx.saved_tensors
+        scores = torch._softmax_backward_data(grad, attn, -1, attn.dtype)  # 0 off the band
+        w = scores.shape[-1] - scores.shape[-2] + 1
+        s = scores.to(q.dtype)
+        grad_q = s @ k_t.transpose(-1, -2) if ctx.needs_input_grad[0] else None
+        grad_k = q.transpose(-1, -2) @ s if ctx.needs_input_grad[1] else None
+        band = _band(scores, w)
+        grad_mask = None
+        if ctx.log_mask is not None and ctx.needs_input_grad[3]:
+            shape, dtype = ctx.log_mask
+            grad_mask = band[..., : shape[-1]].sum_to_size(shape).to(dtype)
+        return grad_q, grad_k, band.to(q.dtype), grad_mask
 
 
 class _Windows(torch.autograd.Function):
-    """``x.unfold(2, length, step)[:, :, :n]``: ``n`` overlapping windows of the positions of
-    ``x`` (B, H, T, dh), as (B, H, n, dh, length). The backward adds each window's gradient back
-    with ``n`` slice additions, cheaper than the generic unfold backward."""
+    """``n`` overlapping windows of ``length`` positions, ``step`` apart, of ``x`` (B, H, T, dh),
+    as a view (B, H, n, length, dh). The backward adds each window's gradient back with ``n``
+    slice additions of contiguous rows, cheaper than the generic unfold backward."""
 
     @staticmethod
     def forward(ctx, x: Tensor, length: int, step: int, n: int) -> Tensor:
         ctx.shape, ctx.windows = x.shape, (length, step, n)
-        return x.unfold(2, length, step)[:, :, :n]
+        return x.unfold(2, length, step)[:, :, :n].transpose(-1, -2)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         length, step, n = ctx.windows
         dx = grad.new_zeros(ctx.shape)
         for i in range(n):
-            dx[:, :, i * step : i * step + length] += grad[:, :, i].transpose(-1, -2)
+            dx[:, :, i * step : i * step + length] += grad[:, :, i]
         return dx, None, None, None
 
 
@@ -119,7 +162,7 @@ def banded_attention(
     to (B, H, M). Queries are processed in chunks of ``c``, each over a window of ``w + c - 1``
     keys, so the cost is about M * (w + c) * dh rather than M * (w + M) * dh.
     """
-    B, H, M, dh = q.shape
+    M, dh = q.shape[2:]
     w = pos.shape[0]
     if M == 1:
         return _one_query_attention(q, k, v, pos, z, ramp, dropout, training)
@@ -135,21 +178,23 @@ def banded_attention(
         z = z[..., None, None] if z.shape[-1] == 1 else z.unflatten(-1, (n, c))[..., None]
     # Position scores q . p_d in "distance layout": column j holds distance d = w - j.
     position = q @ pos.flip(0).t()  # (B, H, n, c, w)
-    pieces = [position]
+    log_mask = None
     if width:  # eq. 2: m_z(d) exp(s) = exp(s + log m_z(d)), added where m_z < 1 only
         distance = torch.arange(w, w - width, -1, device=q.device, dtype=z.dtype)
-        masked = position[..., :width] + log_soft_mask(distance, z, ramp)
-        pieces = [masked.to(position.dtype), position[..., width:]]
-    # Skewed into "key layout" (column j = key t0 + j); -inf fill = outside the band 1 <= d <= w.
-    scores = skew(*pieces, fill=-math.inf).flatten(0, 2)
-    length = w + c - 1
-    k_win = _Windows.apply(k, length, c, n).flatten(0, 2)  # (B*H*n, dh, L)
-    scores = torch.baddbmm(scores, q.flatten(0, 2), k_win)  # eq. 1: q . (k_r + p_{t-r})
-    attn = torch.softmax(scores, dim=-1).view(B, H, n, c, length)
+        log_mask = log_soft_mask(distance, z, ramp)
+    length = w + c - 1  # keys of a chunk's window: key j of it is column j of the scores
+    k_win, v_win = (_windows(t, length, c, n) for t in (k, v))  # (B, H, n, L, dh)
+    attn = _BandSoftmax.apply(q, k_win.transpose(-1, -2), position, log_mask)  # eqs. 1-2
     attn = F.dropout(attn, dropout, training)
-    v_win = _Windows.apply(v, length, c, n)  # (B, H, n, dh, L)
-    out = attn @ v_win.transpose(-1, -2)  # eq. 3, (B, H, n, c, dh)
+    out = attn @ v_win  # eq. 3, (B, H, n, c, dh)
     return out.flatten(2, 3)[:, :, :M]
+
+
+def _windows(x: Tensor, length: int, step: int, n: int) -> Tensor:
+    """Key/value windows (B, H, n, length, dh) of the chunks; a single chunk is a slice."""
+    if n == 1:
+        return x[:, :, None, :length]
+    return _Windows.apply(x, length, step, n)
 
 
 def _one_query_attention(
@@ -277,14 +322,20 @@ class SpanAttention(Attention):
     def _projected_keys_values(self, x: Tensor, cache: Tensor, history: int):
         """Keys/values from the cached hidden states, projected per head group (training).
 
-        Cached states and the block are projected separately: the cache needs no input
-        gradient, so the backward pass computes one only for the block's own rows.
+        The block's keys and values are projected once for all heads; the cached states, per
+        head group, with that group's rows of W_k and W_v (views when the heads are
+        consecutive). Cached states need no input gradient: the backward pass computes one
+        only for the block's own rows.
         """
         past = fit_cache(cache, history).to(x)  # (B, history, D)
-        weight = torch.cat([self.k.weight, self.v.weight])  # rows: all of W_k, then W_v
+        block = self.k(x), self.v(x)  # (B, M, D) each
 
         def keys_values(heads: list[int], start: int) -> tuple[Tensor, Tensor]:
-            return self._project(past[:, start:], weight, heads, x)
+            rows = _rows(heads, self.d_head, x.device)
+            return tuple(
+                self._heads(torch.cat([F.linear(past[:, start:], proj.weight[rows]),
+                                       projected[..., rows]], dim=1))
+                for proj, projected in zip((self.k, self.v), block, strict=True))
 
         return keys_values, advance(past, x, history)
 
@@ -305,22 +356,9 @@ class SpanAttention(Attention):
 
         return keys_values, new_cache
 
-    def _project(
-        self, states: Tensor, weight: Tensor, heads: list[int], block: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Keys and values (each (B, len(heads), T, d_head)) of ``states`` (B, T, D), followed
-        by those of ``block`` if given, for the heads ``heads``: products with their rows of
-        ``weight`` (W_k stacked on W_v)."""
-        if len(heads) != self.n_heads:
-            rows = torch.arange(self.d_head, device=weight.device)
-            rows = torch.cat([rows + h * self.d_head for h in heads])
-            weight = weight[torch.cat([rows, rows + self.n_heads * self.d_head])]
-        kv = F.linear(states, weight)
-        if block is not None:
-            kv = torch.cat([kv, F.linear(block, weight)], dim=1)
-        B, T, _ = kv.shape
-        k, v = kv.view(B, T, 2, len(heads), self.d_head).permute(2, 0, 3, 1, 4)
-        return k, v
+    def _heads(self, t: Tensor) -> Tensor:
+        """(B, T, h * d_head) -> (B, h, T, d_head)."""
+        return t.unflatten(-1, (-1, self.d_head)).transpose(1, 2)
 
 
 def _index(heads: list[int]) -> slice | list[int]:
@@ -328,6 +366,15 @@ def _index(heads: list[int]) -> slice | list[int]:
     if heads == list(range(heads[0], heads[-1] + 1)):
         return slice(heads[0], heads[-1] + 1)
     return heads
+
+
+def _rows(heads: list[int], d_head: int, device: torch.device) -> slice | Tensor:
+    """The rows (of W_k, W_v) or columns (of keys, values) of the heads ``heads``: a slice
+    (a view, no copy) when they are consecutive."""
+    index = _index(heads)
+    if isinstance(index, slice):
+        return slice(index.start * d_head, index.stop * d_head)
+    return torch.cat([torch.arange(h * d_head, (h + 1) * d_head, device=device) for h in heads])
 
 
 def _group(windows: list[int]) -> list[tuple[int, list[int]]]:

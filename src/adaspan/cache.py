@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-HEADROOM = 256  # positions allocated beyond a block's needs, so that appends rarely copy
+HEADROOM = 256  # least positions allocated beyond a block's needs, so that appends rarely copy
 
 
 def fit_cache(cache: Tensor, length: int) -> Tensor:
@@ -92,10 +92,14 @@ class KeyValueCache:
 
 
 def _copy_into_new_buffer(old: Tensor, new: Tensor, history: int) -> Tensor:
-    """A zero buffer with the last ``history`` positions of ``old`` ending at ``history`` and
-    room for ``new`` and ``HEADROOM`` more (at least one more block)."""
+    """A buffer with the last ``history`` positions of ``old`` ending at ``history`` (zeros
+    before them where ``old`` is shorter) and room for ``new`` and at least ``history``,
+    ``HEADROOM`` and one block more: copying the history is then amortised over at least
+    ``history / M`` blocks. The room after ``history`` is left unset: it is written before
+    it is read."""
     B, H, M, d_head = new.shape
-    buffer = new.new_zeros(B, H, history + M + max(M, HEADROOM), d_head)
+    buffer = new.new_empty(B, H, history + M + max(M, HEADROOM, history), d_head)
     kept = old[:, :, max(0, old.shape[2] - history) :]
+    buffer[:, :, : history - kept.shape[2]] = 0
     buffer[:, :, history - kept.shape[2] : history] = kept
     return buffer
