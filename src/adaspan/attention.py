@@ -82,7 +82,10 @@ class _BandSoftmax(torch.autograd.Function):
         if log_mask is not None:
             band[..., : log_mask.shape[-1]].add_(log_mask)
         _band(scores, c, start=w).fill_(-math.inf)
-        attn = torch.softmax(scores, dim=-1)
+        if scores.dtype in (torch.float32, torch.float64):  # in place: the tile is ours
+            attn = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        else:  # a bf16 tile under autocast: softmax in float32, as autocast does
+            attn = torch.softmax(scores, dim=-1, dtype=torch.float32)
         ctx.save_for_backward(q, k_t, attn)
         ctx.log_mask = None if log_mask is None else (log_mask.shape, log_mask.dtype)
         return attn
@@ -378,8 +381,9 @@ def _rows(heads: list[int], d_head: int, device: torch.device) -> slice | Tensor
 
 
 def _group(windows: list[int]) -> list[tuple[int, list[int]]]:
-    """Heads grouped by key window, longest window first."""
+    """Heads grouped by key window, in the order of their first head (so that the outputs of
+    groups of consecutive heads are concatenated in head order, with no reordering)."""
     groups: dict[int, list[int]] = {}
     for head, w in enumerate(windows):
         groups.setdefault(w, []).append(head)
-    return sorted(groups.items(), reverse=True)
+    return list(groups.items())

@@ -29,7 +29,8 @@ def fit_cache(cache: Tensor, length: int) -> Tensor:
 def advance(past: Tensor, block: Tensor, length: int) -> Tensor:
     """The hidden-state cache for the next block: the last ``length`` states of ``past`` followed
     by ``block`` (detached: the next step recomputes their keys, no gradient flows back)."""
-    return torch.cat([past, block.detach()], dim=1)[:, -length:]
+    keep = max(0, length - block.shape[1])  # states of the past still inside the new cache
+    return torch.cat([past[:, past.shape[1] - keep :], block.detach()], dim=1)[:, -length:]
 
 
 @dataclass(frozen=True)
