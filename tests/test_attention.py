@@ -192,7 +192,7 @@ def test_band_softmax_equals_softmax_of_skewed_scores():
 
 @pytest.mark.parametrize("z_shape", [None, (1, 2, 1), (2, 2, 70)])
 def test_banded_attention_gradients_over_several_chunks(z_shape):
-    """70 queries over 40 keys: three chunks of 32 (the last padded), overlapping windows."""
+    """70 queries over 40 keys: two chunks of 64 (the second padded), overlapping windows."""
     torch.manual_seed(3)
     inputs = banded_inputs(2, 70, 40, 4)
     if z_shape is not None:  # spans away from the mask's kinks (z + R not an integer)

@@ -111,7 +111,8 @@ def test_cost_panel_memory_grows_linearly_with_fixed_span_only(reports):
     learned = data["costs"]["curves"][LEARNED]["memory_mb"]
     assert len(fixed) == len(learned) == len(LIMITS)
     growth = [b - a for a, b in itertools.pairwise(fixed)]  # S doubles: 16 ... 128
-    assert growth[0] > 0 and growth[1:] == pytest.approx([2 * growth[0], 4 * growth[0]], rel=0.05)
+    # about linear in S: the increments double as S doubles (up to the chunking's rounding)
+    assert growth[0] > 0 and all(1.8 < b / a < 2.3 for a, b in itertools.pairwise(growth))
     assert learned[0] == pytest.approx(fixed[0], rel=0.01)  # S = 16: every span clipped to S
     assert learned[1:] == pytest.approx([learned[1]] * 3, rel=0.01) and learned[3] < fixed[3]
 

@@ -141,10 +141,16 @@ def ramp_columns(window: int, z: Tensor) -> int:
     return max(0, min(window, math.ceil(window - z.detach().min().item())))
 
 
+# Queries per chunk by key window (up to the window), measured with scripts/tune_chunks.py on
+# the 2-core CPU (one head, batch 8, block 256, d_head 64; best of 32/64/128/256 for training,
+# 2026-11-23): small chunks waste fewer scores (a chunk reads window + c - 1 keys), large ones
+# make larger products.
+CHUNKS = ((128, 64), (1024, 128), (math.inf, 256))
+
+
 def chunk_size(block: int, window: int) -> int:
-    """Queries per chunk: small chunks waste fewer scores (each chunk reads ``window + c - 1``
-    keys), large chunks make larger matrix products."""
-    return min(block, max(32, min(256, window // 4)))
+    """Queries per chunk for a block of ``block`` queries over ``window`` keys (:data:`CHUNKS`)."""
+    return min(block, next(c for limit, c in CHUNKS if window <= limit))
 
 
 def banded_attention(

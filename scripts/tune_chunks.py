@@ -1,0 +1,62 @@
+"""Measure the chunk size of banded attention: time of one head's attention (forward and
+backward for training, forward for evaluation) for each key window and candidate chunk size.
+
+    python scripts/tune_chunks.py [--batch 8] [--block 256] [--repeats 5]
+
+Prints one JSON line per window and mode (median milliseconds per chunk size, and the best);
+:data:`adaspan.attention.CHUNKS` is taken from such a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import adaspan.attention as attention
+
+WINDOWS = (64, 128, 256, 512, 1024, 2048, 4096)
+CANDIDATES = (32, 64, 128, 256)
+
+
+def seconds(window: int, chunk: int, train: bool, batch: int, block: int, repeats: int) -> float:
+    attention.chunk_size = lambda block, window: min(block, chunk)
+    d_head, generator = 64, torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, 1, n, d_head, generator=generator, requires_grad=train)
+               for n in (block, window + block, window + block))
+    pos = torch.randn(window, d_head, generator=generator, requires_grad=train)
+    z = torch.tensor([window - 32.0]).view(1, 1, 1).requires_grad_(train)
+
+    def step() -> None:
+        with torch.set_grad_enabled(train):
+            out = attention.banded_attention(q, k, v, pos, z, 32)
+            if train:
+                out.sum().backward()
+
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[repeats // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    for mode in ("train", "eval"):
+        for window in WINDOWS:
+            ms = {c: 1e3 * seconds(window, c, mode == "train", args.batch, args.block,
+                                   args.repeats) for c in CANDIDATES}
+            print(json.dumps({"mode": mode, "window": window, "ms": ms,
+                              "best": min(ms, key=ms.get)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
