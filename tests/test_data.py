@@ -319,7 +319,10 @@ def test_registry_holds_the_standard_benchmarks():
         assert bench.zip_name == f"{name}.zip"
         assert (bench.size, bench.train_size, bench.valid_size) == (10**8, 9 * 10**7, 5 * 10**6)
         assert bench.test_size == 5 * 10**6
-        assert len(bench.sha256) == 64 and int(bench.sha256, 16) >= 0
+    assert BENCHMARKS["enwik8"].sha256 == (  # of the unzipped files, as published
+        "2b49720ec4d78c3c9fabaee6e4179a5e997302b3a70029f30f2d582218c024a8")
+    assert BENCHMARKS["text8"].sha256 == (
+        "6e890197040d37d85beb962ae1f041ff1d9a9ca8d20c7d99c85027eebf51dca7")
     assert BENCHMARKS["enwik8"].zip_size == 36_445_475
     assert BENCHMARKS["text8"].zip_size == 31_344_016
 
