@@ -65,7 +65,8 @@ class _BandSoftmax(torch.autograd.Function):
     """Attention weights of a chunk of queries, eqs. 1-2 in one pass over the score tile:
     ``softmax(q k^T + skew(position + log_mask))`` over keys, -inf outside the band.
 
-    q: (..., c, dh); k_t: (..., dh, L) with L = w + c - 1 (key j of the window is column j);
+    q: (..., c, dh); k_t: (N, dh, L), N the product of the leading dimensions, with
+    L = w + c - 1 (key j of the window is column j);
     position: (..., c, w), the position scores in distance layout (column j: distance w - j);
     log_mask: None, or log m_z of the first ``width`` columns of ``position`` (broadcastable).
     The tile is written once by the product, the positions are added through its band view
@@ -76,7 +77,9 @@ class _BandSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k_t: Tensor, position: Tensor, log_mask: Tensor | None):
         lead, (c, w) = position.shape[:-2], position.shape[-2:]
-        scores = (q.flatten(0, -3) @ k_t.flatten(0, -3)).view(*lead, c, w + c - 1)
+        ctx.shapes = q.shape, k_t.shape
+        q, k_t = q.flatten(0, -3), k_t.flatten(0, -3)  # (N, c, dh), (N, dh, L)
+        scores = (q @ k_t).view(*lead, c, w + c - 1)
         band = _band(scores, w)
         band.add_(position)
         if log_mask is not None:
@@ -95,9 +98,9 @@ class _BandSoftmax(torch.autograd.Function):
         q, k_t, attn = ctx.saved_tensors
         scores = torch._softmax_backward_data(grad, attn, -1, attn.dtype)  # 0 off the band
         w = scores.shape[-1] - scores.shape[-2] + 1
-        s = scores.to(q.dtype)
-        grad_q = s @ k_t.transpose(-1, -2) if ctx.needs_input_grad[0] else None
-        grad_k = q.transpose(-1, -2) @ s if ctx.needs_input_grad[1] else None
+        s, (q_shape, k_shape) = scores.to(q.dtype).flatten(0, -3), ctx.shapes
+        grad_q = (s @ k_t.transpose(-1, -2)).view(q_shape) if ctx.needs_input_grad[0] else None
+        grad_k = (q.transpose(-1, -2) @ s).view(k_shape) if ctx.needs_input_grad[1] else None
         band = _band(scores, w)
         grad_mask = None
         if ctx.log_mask is not None and ctx.needs_input_grad[3]:
@@ -193,7 +196,9 @@ def banded_attention(
         log_mask = log_soft_mask(distance, z, ramp)
     length = w + c - 1  # keys of a chunk's window: key j of it is column j of the scores
     k_win, v_win = (_windows(t, length, c, n) for t in (k, v))  # (B, H, n, L, dh)
-    attn = _BandSoftmax.apply(q, k_win.transpose(-1, -2), position, log_mask)  # eqs. 1-2
+    # keys gathered row-wise (a copy only for several chunks), then read transposed by the BLAS
+    k_t = k_win.flatten(0, 2).transpose(-1, -2)  # (B*H*n, dh, L)
+    attn = _BandSoftmax.apply(q, k_t, position, log_mask)  # eqs. 1-2
     attn = F.dropout(attn, dropout, training)
     out = attn @ v_win  # eq. 3, (B, H, n, c, dh)
     return out.flatten(2, 3)[:, :, :M]
