@@ -261,17 +261,14 @@ def _add_generate(commands) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from .checkpoint import load_model
     from .generate import stream
-    from .official import byte_codec, read_vocab
+    from .official import byte_codec, encode_bytes, read_vocab
 
     vocab = read_vocab(args.run_dir)
     to_id, to_byte = byte_codec(vocab) if vocab is not None else (None, None)
     model = load_model(args.run_dir, _device(args.device))
     prompt = args.prompt.encode()
     if to_id is not None:  # a converted run: token ids of byte symbols, <eos> for newlines
-        missing = sorted(set(prompt or b"\n") - set(to_id))
-        if missing:
-            raise CLIError(f"the prompt has bytes outside this run's vocabulary: {missing}")
-        prompt = bytes(to_id[b] for b in prompt or b"\n")
+        prompt = bytes(encode_bytes(prompt or b"\n", to_id, "prompt"))
     tokens = stream(model, prompt, args.length, args.temperature, args.top_k,
                     torch.Generator().manual_seed(args.seed))
     chars = (to_byte[token] for token in tokens) if to_byte is not None else tokens

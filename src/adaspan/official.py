@@ -242,6 +242,15 @@ def byte_codec(vocab: list[str]) -> tuple[dict[int, int], list[int]]:
     return to_id, to_byte
 
 
+def encode_bytes(data: bytes, to_id: dict[int, int], what: str = "text") -> list[int]:
+    """Token ids of the bytes ``data`` in a vocabulary of bytes (``to_id`` of
+    :func:`byte_codec`); a byte without a symbol is a ValueError naming it."""
+    missing = sorted(set(data) - set(to_id))
+    if missing:
+        raise ValueError(f"the {what} has bytes outside this run's vocabulary: {missing}")
+    return [to_id[b] for b in data]
+
+
 # ----------------------------------------------------------------------------------- convert
 
 

@@ -179,17 +179,12 @@ def default_text(saved: dict) -> str:
 
 def _encode(text: str, run_dir: Path) -> list[int]:
     """Token ids of ``text``: its UTF-8 bytes, or for a converted run the ids of its symbols."""
-    from .official import byte_codec, read_vocab
+    from .official import byte_codec, encode_bytes, read_vocab
 
-    data = text.encode()
     vocab = read_vocab(run_dir)
     if vocab is None:
-        return list(data)
-    to_id, _ = byte_codec(vocab)
-    missing = sorted(set(data) - set(to_id))
-    if missing:
-        raise ValueError(f"the text has bytes outside this run's vocabulary: {missing}")
-    return [to_id[b] for b in data]
+        return list(text.encode())
+    return encode_bytes(text.encode(), byte_codec(vocab)[0])
 
 
 # ------------------------------------------------------------------------------------ report
