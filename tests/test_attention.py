@@ -1,4 +1,5 @@
-"""Span attention against the naive reference of the paper's equations."""
+"""Span attention against the naive reference of the paper's equations, and the pieces of its
+fast path (skewing, the banded softmax, key windows)."""
 
 from __future__ import annotations
 
@@ -6,52 +7,15 @@ import math
 
 import pytest
 import torch
+from helpers import span_attention, span_variants
 from reference import reference_attention
 
-from adaspan import ModelConfig, soft_mask
-from adaspan.attention import (
-    SpanAttention,
-    _BandSoftmax,
-    banded_attention,
-    ramp_columns,
-    skew,
-)
-from adaspan.config import ATTENTIONS
-from adaspan.model import ATTENTION_TYPES
+from adaspan import soft_mask
+from adaspan.attention import _BandSoftmax, banded_attention, ramp_columns, skew
+from adaspan.cache import KeyValueCache
+from adaspan.span import AdaptiveSpan, FixedSpan
 
-KINDS = ("fixed", "adaptive", "dynamic")
-
-
-def make_attention(kind: str, truncation: str = "head", max_span: int = 48, **kw) -> SpanAttention:
-    cfg = ModelConfig(d_model=16, n_heads=4, n_layers=1, d_inner=32, max_span=max_span, ramp=8,
-                      dropout=0.0, attention=kind, truncation=truncation, span_bucket=8,
-                      position_table="layer", **kw)  # standalone: the layer owns its table
-    torch.manual_seed(0)
-    attn = ATTENTION_TYPES[kind](cfg)
-    if kind == "adaptive":
-        attn.span.set_spans(torch.tensor([8.0, 13.5, 30.0, 44.0]).clamp(max=max_span))
-    if kind == "dynamic":
-        with torch.no_grad():
-            attn.span.v.normal_(0, 0.5)
-            attn.span.b.copy_(torch.tensor([-3.0, -1.0, 0.0, 1.0]))
-    return attn
-
-
-def test_every_configurable_attention_is_registered():
-    assert set(ATTENTION_TYPES) == set(ATTENTIONS)
-
-
-def test_soft_mask_matches_the_formula():
-    d = torch.arange(0, 20, dtype=torch.float32)
-    m = soft_mask(d, torch.tensor(5.0), 4)
-    expected = [1.0] * 6 + [0.75, 0.5, 0.25] + [0.0] * 11  # 1 up to z, ramp of width R, then 0
-    assert m.tolist() == expected
-
-
-def test_soft_mask_gradient_flows_to_z_on_the_ramp_only():
-    z = torch.tensor(5.0, requires_grad=True)
-    soft_mask(torch.tensor([3.0, 7.0, 12.0]), z, 4).sum().backward()
-    assert z.grad.item() == pytest.approx(0.25)  # only the key at distance 7 is on the ramp
+SPAN_VARIANTS = span_variants()
 
 
 def test_skew_shifts_each_row():
@@ -59,11 +23,11 @@ def test_skew_shifts_each_row():
     assert skew(x).tolist() == [[1, 2, 3, 0], [0, 4, 5, 6]]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SPAN_VARIANTS)
 @pytest.mark.parametrize("truncation", ["head", "layer", "none"])
 @pytest.mark.parametrize(("block", "cached"), [(11, 0), (11, 5), (7, 60), (1, 30)])
 def test_fast_path_matches_reference(kind, truncation, block, cached):
-    attn = make_attention(kind, truncation)
+    attn = span_attention(kind, truncation)
     torch.manual_seed(1)
     x, cache = torch.randn(2, block, 16), torch.randn(2, cached, 16)
     y, _ = attn(x, cache)
@@ -75,7 +39,7 @@ def test_fast_path_matches_reference(kind, truncation, block, cached):
 @pytest.mark.parametrize("spans", [[8.0] * 4, [20.0, 9.0, 48.0, 33.0], [48.0] * 4,
                                    [20.0, 9.0, 20.5, 9.5]])  # groups of non-consecutive heads
 def test_fast_path_matches_reference_at_several_spans(spans):
-    attn = make_attention("adaptive")
+    attn = span_attention("adaptive")
     attn.span.set_spans(torch.tensor(spans))
     x, cache = torch.randn(1, 9, 16), torch.randn(1, 50, 16)
     with torch.no_grad():
@@ -83,12 +47,13 @@ def test_fast_path_matches_reference_at_several_spans(spans):
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("kind", "spans"), [(kind, [8.25, 13.5, 30.7, 44.1]) for kind in KINDS]
+@pytest.mark.parametrize(("kind", "spans"),
+                         [(kind, [8.25, 13.5, 30.7, 44.1]) for kind in SPAN_VARIANTS]
                          + [("adaptive", [20.25, 9.5, 20.5, 9.75])])  # non-consecutive groups
 def test_gradients_match_reference(kind, spans):
     """Where the mask is differentiable (z + R not an integer), gradients equal the reference's."""
-    attn = make_attention(kind).double()
-    if kind == "adaptive":
+    attn = span_attention(kind).double()
+    if isinstance(attn.span, AdaptiveSpan):
         attn.span.set_spans(torch.tensor(spans))
     x, cache = torch.randn(2, 6, 16, dtype=torch.float64), torch.randn(2, 20, 16,
                                                                        dtype=torch.float64)
@@ -101,40 +66,34 @@ def test_gradients_match_reference(kind, spans):
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], atol=1e-8, rtol=1e-6, msg=name)
     span_params = [n for n in grads[0] if n.startswith("span.")]
-    assert (kind == "fixed") == (not span_params)
+    assert isinstance(attn.span, FixedSpan) == (not span_params)
     for name in span_params:  # z (adaptive) and v, b (dynamic) receive gradient
         assert grads[0][name].abs().sum() > 0, name
 
 
-def test_span_gradient_at_initialisation_is_finite_and_nonzero():
-    attn = make_attention("adaptive")
-    attn.span.set_spans(torch.full((4,), 8.0))  # z = 0, the paper's initialisation
-    attn(torch.randn(2, 12, 16), torch.randn(2, 4, 16))[0].square().sum().backward()
-    grad = attn.span.z_frac.grad
-    assert torch.isfinite(grad).all() and (grad != 0).all()
-
-
-def test_dynamic_span_initialised_short():
-    cfg = ModelConfig(d_model=16, n_heads=2, n_layers=1, max_span=1024, attention="dynamic")
-    span = ATTENTION_TYPES["dynamic"](cfg).span
-    z = span(torch.randn(1, 5, 16))
-    assert torch.allclose(z, torch.full_like(z, 1024 * torch.sigmoid(torch.tensor(-4.0))))
-
-
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SPAN_VARIANTS)
 def test_new_cache_holds_what_the_heads_can_see(kind):
-    attn = make_attention(kind, max_span=40)
+    attn = span_attention(kind, max_span=40)
     x = torch.randn(2, 10, 16)
     _, cache = attn(x, torch.zeros(2, 0, 16))
     windows = attn.key_windows(attn.span(x))
-    history = 40 if kind == "dynamic" else max(windows)  # dynamic: next tokens may see all S
+    # a span that depends on the tokens (dynamic) may reach all S for the next ones
+    history = 40 if attn.span.input_dependent else max(windows)
     assert cache.shape == (2, history, 16)
     assert torch.equal(cache[:, -10:], x)
     assert all(w % 8 == 0 or w == 40 for w in windows)
 
 
+@pytest.mark.parametrize("kind", SPAN_VARIANTS)
+def test_empty_caches_of_hidden_states_and_of_keys_values(kind):
+    attn = span_attention(kind)
+    assert attn.empty_cache(2).shape == (2, 0, 16)
+    cache = attn.empty_cache(2, keys_values=True)  # inference: projected keys and values
+    assert isinstance(cache, KeyValueCache) and cache.keys.shape == (2, 4, 0, 4)
+
+
 def test_short_spans_read_few_keys():
-    attn = make_attention("adaptive", max_span=1024)
+    attn = span_attention("adaptive", max_span=1024)
     attn.span.set_spans(torch.tensor([8.0, 8.0, 8.0, 100.0]))
     assert attn.key_windows(attn.span(torch.randn(1, 3, 16))) == [8, 8, 8, 104]
     attn.truncation = "layer"

@@ -1,5 +1,6 @@
 """Baseline attentions (vanilla, Transformer-XL, Sparse Transformer "fixed") against references
-written straight from their definitions, and their behaviour inside SpanLM."""
+written straight from their definitions, and what only they do inside SpanLM (the contract of
+every variant is in test_contract.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import math
 
 import pytest
 import torch
-from reference import distances_that_move, run_blocks
+from helpers import baseline_variants, tiny
+from reference import distances_that_move
 
-from adaspan import ModelConfig, SpanLM
+from adaspan import ModelConfig
 from adaspan.baselines import FactorizedAttention, VanillaAttention, XLAttention
-from adaspan.config import ATTENTIONS
-from adaspan.model import ATTENTION_TYPES
+from adaspan.registry import ATTENTIONS
 
-BASELINES = ("vanilla", "xl", "factorized")
+BASELINES = baseline_variants()
 
 
 def make_config(kind: str, **kw) -> ModelConfig:
@@ -27,34 +28,28 @@ def make_config(kind: str, **kw) -> ModelConfig:
 
 def make_attention(kind: str, **kw) -> torch.nn.Module:
     torch.manual_seed(0)
-    attn = ATTENTION_TYPES[kind](make_config(kind, **kw)).double().eval()
-    if kind == "xl":  # u and v start at 0: make them matter
+    attn = ATTENTIONS[kind](make_config(kind, **kw)).double().eval()
+    if isinstance(attn, XLAttention):  # u and v start at 0: make them matter
         with torch.no_grad():
             attn.content_bias.normal_()
             attn.position_bias.normal_()
     return attn
 
 
-def tiny(kind: str, **kw) -> SpanLM:
-    torch.manual_seed(0)
-    return SpanLM(make_config(kind, **kw)).eval()
-
-
 def randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, dtype=torch.float64)
 
 
-def test_baselines_are_registered():
-    assert set(BASELINES) <= set(ATTENTIONS)
-    classes = (VanillaAttention, XLAttention, FactorizedAttention)
-    for kind, cls in zip(BASELINES, classes, strict=True):
-        assert type(ATTENTION_TYPES[kind](make_config(kind))) is cls
+def test_every_baseline_class_is_registered():
+    classes = {type(ATTENTIONS[kind](make_config(kind))) for kind in BASELINES}
+    assert classes == {VanillaAttention, XLAttention, FactorizedAttention}
 
 
 @pytest.mark.parametrize("kind", BASELINES)
 def test_projections_follow_the_paper_and_span_is_fixed(kind):
-    attn = ATTENTION_TYPES[kind](make_config(kind, d_model=32))
-    projections = [attn.q, attn.k, attn.v, attn.o] + ([attn.r] if kind == "xl" else [])
+    attn = ATTENTIONS[kind](make_config(kind, d_model=32))
+    projections = [attn.q, attn.k, attn.v, attn.o] + ([attn.r] if isinstance(attn, XLAttention)
+                                                      else [])
     for proj in projections:
         assert proj.bias is None and proj.weight.abs().max() <= 32**-0.5
     assert attn.span.spans().tolist() == [12.0] * 4 and attn.span.z_penalty() is None
@@ -102,14 +97,6 @@ def test_vanilla_matches_its_reference(block):
     with torch.no_grad():
         torch.testing.assert_close(y, reference_vanilla(attn, x), atol=1e-8, rtol=1e-8)
     assert torch.equal(y[:, 0], torch.zeros(2, 16, dtype=torch.float64))  # sees no token
-
-
-def test_vanilla_processes_every_block_alone():
-    model = tiny("vanilla")
-    tokens = torch.randint(0, 32, (2, 40))
-    with torch.no_grad():
-        alone = torch.cat([model(tokens[:, s : s + 10])[0] for s in range(0, 40, 10)], dim=1)
-        torch.testing.assert_close(run_blocks(model, tokens, 10), alone, atol=0, rtol=0)
 
 
 # --- Transformer-XL -----------------------------------------------------------------------------
@@ -161,7 +148,7 @@ def test_xl_matches_reference(block, cached):
 
 
 def test_xl_sees_exactly_s_tokens_back():
-    model = tiny("xl", n_layers=1)
+    model = tiny("xl", n_layers=1, max_span=12)
     t, S = 30, 12
     tokens = torch.randint(0, 32, (1, t + 1))
     distances = range(0, t + 1)
@@ -276,66 +263,3 @@ def test_factorized_cache_drops_whole_strides():
         assert min(seen, 12) <= new_cache.shape[1] < 12 + 4
         assert (seen - new_cache.shape[1]) % 4 == 0  # the cache starts on a stride boundary
         cache = new_cache
-
-
-# --- all baselines inside SpanLM ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", ["xl", "factorized"])
-def test_block_by_block_equals_one_pass(kind):
-    """Both windows slide with the query (factorized: positions stay stride-aligned)."""
-    model = tiny(kind)
-    tokens = torch.randint(0, 32, (2, 63))
-    with torch.no_grad():
-        whole = run_blocks(model, tokens, 63)
-        torch.testing.assert_close(run_blocks(model, tokens, 7), whole, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(run_blocks(model, tokens, 1)[:, :30], whole[:, :30],
-                                   atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("kind", ["xl", "factorized"])
-def test_cache_reaches_into_previous_blocks(kind):
-    model = tiny(kind, n_layers=1)
-    tokens = torch.randint(0, 32, (1, 40))
-    changed = tokens.clone()
-    changed[0, 19] = (changed[0, 19] + 1) % 32
-    with torch.no_grad():
-        a, b = run_blocks(model, tokens, 20), run_blocks(model, changed, 20)
-    assert not torch.allclose(a[:, 20:], b[:, 20:])
-
-
-@pytest.mark.parametrize("kind", BASELINES)
-def test_training_step_gives_finite_gradients_to_every_parameter(kind):
-    model = tiny(kind, dropout=0.2).train()
-    tokens = torch.randint(0, 32, (2, 21))
-    log_probs, cache = model(tokens[:, :10])
-    log_probs, _ = model(tokens[:, 10:20], cache)
-    (-log_probs.gather(-1, tokens[:, 11:, None]).mean() + model.span_loss()).backward()
-    for name, p in model.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all(), name
-        assert p.grad.abs().sum() > 0, name
-    assert all(not c.requires_grad for c in cache)
-
-
-# --- configuration ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("field", "options"),
-    [("factorized_stride", dict(factorized_stride=0)),
-     ("factorized_c", dict(factorized_c=0)),
-     ("factorized_c", dict(factorized_stride=8, factorized_c=16)),
-     ("factorized_c", dict(factorized_c=2.5)),
-     ("n_heads", dict(attention="factorized", n_heads=1)),
-     ("max_span", dict(attention="factorized", max_span=64, factorized_stride=128))],
-)
-def test_invalid_factorized_config_names_the_field(field, options):
-    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}"):
-        ModelConfig(**options)
-
-
-def test_stride_limits_only_apply_to_factorized():
-    ModelConfig(attention="xl", max_span=64, n_heads=1, d_model=16)
-    cfg = ModelConfig(attention="factorized", max_span=256, factorized_stride=256,
-                      factorized_c=32)
-    assert ModelConfig.from_dict(cfg.to_dict()) == cfg

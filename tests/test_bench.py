@@ -13,7 +13,7 @@ from adaspan.model import SpanLM
 FIELDS = {"attention", "max_span", "spans", "avg_span", "batch_size", "block_size", "dtype",
           "device", "parameters", "train_chars_per_s", "eval_chars_per_s",
           "generate_chars_per_s", "flops_per_char", "train_gflops", "eval_gflops",
-          "peak_memory_mb", "matmul_gflops"}
+          "estimated_memory_mb", "peak_memory_mb", "matmul_gflops"}
 TINY = ["n_layers=1", "d_model=16", "n_heads=4", "d_inner=32", "max_span=256", "ramp=8"]
 
 
@@ -24,7 +24,8 @@ def test_bench_json_has_the_documented_fields(capsys):
     assert set(result) == FIELDS
     assert result["avg_span"] == pytest.approx((8 + 16 + 32 + 256) / 4)
     assert all(result[k] > 0 for k in ("train_chars_per_s", "eval_chars_per_s",
-                                       "generate_chars_per_s", "peak_memory_mb"))
+                                       "generate_chars_per_s", "peak_memory_mb",
+                                       "estimated_memory_mb"))
 
 
 def test_flops_follow_the_spans_in_the_papers_convention():

@@ -1,22 +1,44 @@
-"""The inference cache of keys and values: in-place appends that never corrupt a cache."""
+"""What layers carry between blocks: the training cache of every stream (StreamCache) and the
+inference cache of keys and values (in-place appends that never corrupt a cache)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny
 from reference import run_blocks
 
-from adaspan import ModelConfig, SpanLM
 from adaspan import cache as cache_module
-from adaspan.cache import KeyValueCache
+from adaspan.cache import KeyValueCache, StreamCache
+
+# --- the training cache -------------------------------------------------------------------------
 
 
-def model() -> SpanLM:
-    torch.manual_seed(0)
-    lm = SpanLM(ModelConfig(vocab_size=32, d_model=16, n_heads=4, n_layers=2, d_inner=32,
-                            max_span=64, ramp=8, dropout=0.0, span_bucket=8))
-    lm.set_spans([10.0, 20.0, 40.0, 64.0])
-    return lm.eval()
+def test_merge_left_pads_shorter_caches_with_zeros():
+    short, long = torch.ones(1, 2, 3), torch.full((2, 4, 3), 2.0)
+    (merged,) = StreamCache.merge([StreamCache([short]), StreamCache([long])]).layers
+    assert merged.shape == (3, 4, 3)
+    assert merged[0, :2].eq(0).all() and merged[0, 2:].eq(1).all() and merged[1:].eq(2).all()
+
+
+def test_rows_then_merge_gives_the_cache_back():
+    layers = [torch.randn(6, 5, 3), torch.randn(6, 2, 3)]  # layers may keep different lengths
+    cache = StreamCache(layers)
+    parts = [cache.rows(slice(0, 2)), cache.rows(slice(2, 3)), cache.rows(slice(3, 6))]
+    assert [part.layers[0].shape[0] for part in parts] == [2, 1, 3]
+    for merged, layer in zip(StreamCache.merge(parts).layers, layers, strict=True):
+        assert torch.equal(merged, layer)
+    assert StreamCache.merge(parts[:1]) is parts[0]
+
+
+def test_to_detaches_and_moves():
+    states = torch.randn(2, 4, 3, requires_grad=True) * 2
+    moved = StreamCache([states]).to("cpu")
+    assert moved.layers[0].device.type == "cpu" and not moved.layers[0].requires_grad
+    assert torch.equal(moved.layers[0], states.detach())
+
+
+# --- the inference cache ------------------------------------------------------------------------
 
 
 def test_appends_in_place_and_keeps_the_last_history_positions():
@@ -32,7 +54,7 @@ def test_appends_in_place_and_keeps_the_last_history_positions():
 
 
 def test_a_cache_extended_twice_gives_both_continuations():
-    lm = model()
+    lm = tiny()
     prompt, a, b, c = (torch.randint(0, 32, (2, n)) for n in (30, 5, 5, 4))
     with torch.no_grad():
         _, cache = lm(prompt, lm.empty_cache(2, keys_values=True))
@@ -48,9 +70,20 @@ def test_a_cache_extended_twice_gives_both_continuations():
 @pytest.mark.parametrize("headroom", [1, 3, 256])
 def test_new_buffers_when_full_give_the_same_outputs(monkeypatch, headroom):
     monkeypatch.setattr(cache_module, "HEADROOM", headroom)
-    lm = model()
+    lm = tiny()
     tokens = torch.randint(0, 32, (2, 120))
     with torch.no_grad():
         for block in (1, 7, 40):
             torch.testing.assert_close(run_blocks(lm, tokens, block, keys_values=True),
                                        run_blocks(lm, tokens, block), atol=1e-5, rtol=1e-5)
+
+
+def test_key_value_cache_is_trimmed_per_layer_and_refused_in_training():
+    model = tiny("adaptive")
+    with torch.no_grad():
+        _, cache = model(torch.randint(0, 32, (2, 70)), model.empty_cache(2, keys_values=True))
+    for layer, layer_cache in zip(model.layers, cache, strict=True):
+        longest = max(layer.attn.key_windows(layer.attn.span(None)))
+        assert layer_cache.keys.shape == layer_cache.values.shape == (2, 4, longest, 4)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        model(torch.randint(0, 32, (2, 5)), cache)

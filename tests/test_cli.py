@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from adaspan.checkpoint import load_model
-from adaspan.cli import OPTION_HELP, main
-from adaspan.config import ModelConfig
+from adaspan.cli import main
+from adaspan.config import SECTIONS
 from adaspan.generate import generate, stream
-from adaspan.train import TrainConfig
+from adaspan.registry import ATTENTIONS
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
         "block_size=16", "eval_chars=256", "eval_interval=2", "log_interval=1",
@@ -29,9 +29,34 @@ def run_dir(tmp_path_factory):
     return path
 
 
-def test_every_option_is_documented():
-    names = [f.name for cls in (ModelConfig, TrainConfig) for f in fields(cls)]
-    assert sorted(set(names) - set(OPTION_HELP)) == []
+def squeezed(text: str) -> str:
+    """``text`` without white space: help lines are wrapped to the terminal's width, at spaces
+    and after hyphens."""
+    return "".join(text.split())
+
+
+def train_help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    return squeezed(capsys.readouterr().out)
+
+
+def test_every_option_is_documented_by_its_field(capsys):
+    """Each field of each configuration has help metadata, shown with its option."""
+    out = train_help(capsys)
+    for cls in SECTIONS.values():
+        for item in fields(cls):
+            assert item.metadata["help"].strip(), item.name
+            option = f"--{item.name.replace('_', '-')}X"
+            assert option + squeezed(cls.help(item)) in out, item.name
+
+
+def test_attention_help_lists_every_registered_variant(capsys, toy_attention):
+    out = train_help(capsys)
+    start = out.index("--attentionXattentionvariant")  # its help, not the usage line
+    help_line = out[start : out.index("--max-spanX", start)]
+    assert f"({'|'.join(ATTENTIONS)})" in help_line  # every name, in the registry's order
+    assert toy_attention in help_line  # registered by the test, after the import
 
 
 def test_train_help_lists_options_with_paper_values(capsys):
@@ -65,13 +90,14 @@ def test_stream_yields_the_characters_of_generate(run_dir):
     model = load_model(run_dir)
     model.train()
     for temperature, top_k in ((0.8, None), (1.0, 5), (0.0, None)):
-        args = (model, b"And", 40, temperature, top_k)
-        tokens = stream(*args, torch.Generator().manual_seed(3))
+        args = (model, b"And", 40)
+        sampling = dict(temperature=temperature, top_k=top_k)
+        tokens = stream(*args, **sampling, generator=torch.Generator().manual_seed(3))
         first = next(tokens)  # sampled before the rest is asked for
         assert not model.training  # eval mode while streaming
         streamed = bytes([first, *tokens])
         assert model.training  # restored at the end
-        assert streamed == generate(*args, torch.Generator().manual_seed(3))
+        assert streamed == generate(*args, **sampling, generator=torch.Generator().manual_seed(3))
         assert len(streamed) == 40
     with pytest.raises(ValueError, match="length"):
         stream(model, b"", -1)  # checked at the call, not at the first character

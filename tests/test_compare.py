@@ -15,6 +15,7 @@ from adaspan.checkpoint import RunDirError
 from adaspan.cli import main
 from adaspan.compare import CSV_FILE, MARKDOWN_FILE, compare, format_markdown
 from adaspan.presets import resolve_config
+from adaspan.registry import ATTENTIONS
 from adaspan.report import COMPARE_FIGURE, COMPARE_PAGE
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
@@ -122,7 +123,8 @@ def test_csv_parses_back(compared):
 
 
 def test_unknown_or_repeated_method_is_refused_before_training(tmp_path):
-    with pytest.raises(ValueError, match="'bogus'; choose from fixed, adaptive, dynamic"):
+    every_variant = ", ".join(ATTENTIONS)
+    with pytest.raises(ValueError, match=re.escape(f"'bogus'; choose from {every_variant}")):
         _compare(tmp_path / "out", ["fixed", "bogus"])
     with pytest.raises(ValueError, match="each method once"):
         _compare(tmp_path / "out", ["fixed", "fixed"])

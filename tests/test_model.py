@@ -1,4 +1,5 @@
-"""SpanLM invariants: truncation, caching, span limits, causality, span penalty, config checks."""
+"""SpanLM invariants beyond the contract of every variant (test_contract.py): truncation, the
+dynamic span's cache, the shared position table, initialisation, dtype, input errors."""
 
 from __future__ import annotations
 
@@ -6,33 +7,18 @@ import copy
 
 import pytest
 import torch
-from reference import distances_that_move, run_blocks
+from helpers import span_variants, tiny
+from reference import run_blocks
 
 from adaspan import ModelConfig, SpanLM
-from adaspan.cache import KeyValueCache
-from adaspan.config import ATTENTIONS
+from adaspan.registry import ATTENTIONS
 
-KINDS = ("fixed", "adaptive", "dynamic")
-
-
-def tiny(kind: str = "adaptive", **kw) -> SpanLM:
-    options = dict(vocab_size=32, d_model=16, n_heads=4, n_layers=2, d_inner=32, max_span=64,
-                   ramp=8, dropout=0.0, attention=kind, span_bucket=8)
-    options.update(kw)
-    torch.manual_seed(0)
-    model = SpanLM(ModelConfig(**options))
-    if kind == "adaptive":
-        spans = [[10.0, 20.0, 40.0, 64.0], [8.0, 9.0, 33.0, 17.5]]
-        model.set_spans([s[: model.config.n_heads] for s in spans[: model.config.n_layers]])
-    if kind == "dynamic":
-        for layer in model.layers:
-            with torch.no_grad():
-                layer.attn.span.v.normal_(0, 0.3)
-                layer.attn.span.b.uniform_(-3, 0)
-    return model.eval()
+SPAN_VARIANTS = span_variants()
+# variants reading the model's table of p_d (position_table="model")
+SHARED_POSITIONS = [name for name in ATTENTIONS if tiny(name).layers[0].attn.shared_positions]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SPAN_VARIANTS)
 @pytest.mark.parametrize("truncation", ["head", "layer"])
 def test_truncated_equals_untruncated_over_blocks(kind, truncation):
     model = tiny(kind, truncation=truncation)
@@ -43,44 +29,6 @@ def test_truncated_equals_untruncated_over_blocks(kind, truncation):
     with torch.no_grad():
         torch.testing.assert_close(run_blocks(model, tokens, 25), run_blocks(full, tokens, 25),
                                    atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_block_by_block_equals_one_pass(kind):
-    model = tiny(kind)
-    tokens = torch.randint(0, 32, (3, 90))
-    with torch.no_grad():
-        torch.testing.assert_close(run_blocks(model, tokens, 30), run_blocks(model, tokens, 90),
-                                   atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(run_blocks(model, tokens, 1)[:, :20],
-                                   run_blocks(model, tokens, 90)[:, :20], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("kind", ATTENTIONS)
-@pytest.mark.parametrize("truncation", ["head", "layer", "none"])
-def test_key_value_cache_equals_hidden_state_cache(kind, truncation):
-    model = tiny(kind, truncation=truncation, factorized_stride=16, factorized_c=4)
-    tokens = torch.randint(0, 32, (2, 150))
-    if kind not in KINDS:  # the baselines keep hidden states whatever keys_values says
-        assert all(isinstance(c, torch.Tensor) for c in model.empty_cache(2, keys_values=True))
-        return
-    assert all(isinstance(c, KeyValueCache) for c in model.empty_cache(2, keys_values=True))
-    with torch.no_grad():
-        for block in (25, 7, 1):
-            part = tokens[:, : 6 * block]
-            torch.testing.assert_close(run_blocks(model, part, block, keys_values=True),
-                                       run_blocks(model, part, block), atol=1e-5, rtol=1e-5)
-
-
-def test_key_value_cache_is_trimmed_per_layer_and_refused_in_training():
-    model = tiny("adaptive")
-    with torch.no_grad():
-        _, cache = model(torch.randint(0, 32, (2, 70)), model.empty_cache(2, keys_values=True))
-    for layer, layer_cache in zip(model.layers, cache, strict=True):
-        longest = max(layer.attn.key_windows(layer.attn.span(None)))
-        assert layer_cache.keys.shape == layer_cache.values.shape == (2, 4, longest, 4)
-    with pytest.raises(RuntimeError, match="no_grad"):
-        model(torch.randint(0, 32, (2, 5)), cache)
 
 
 def test_dynamic_cache_keeps_history_for_longer_later_spans():
@@ -101,91 +49,6 @@ def test_dynamic_cache_keeps_history_for_longer_later_spans():
                                        run_blocks(model, tokens, 48), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ATTENTIONS)
-def test_causal(kind):
-    """One layer: a change at position 25 never reaches earlier outputs, and reaches the next
-    one only through attention (its own output also sees it through the residual)."""
-    model = tiny(kind, n_layers=1, factorized_stride=16, factorized_c=4)
-    if kind == "adaptive":
-        model.set_spans([[10.0, 20.0, 40.0, 64.0]])
-    tokens = torch.randint(0, 32, (1, 40))
-    changed = tokens.clone()
-    changed[0, 25] = (changed[0, 25] + 1) % 32
-    with torch.no_grad():
-        a, b = model(tokens)[0], model(changed)[0]
-    assert torch.equal(a[:, :25], b[:, :25])
-    assert not torch.allclose(a[:, 26], b[:, 26])
-
-
-@pytest.mark.parametrize("z", [0.0, 5.0, 21.5])
-def test_one_layer_sees_exactly_its_span(z):
-    """A token z + R or more back does not change the output; one inside the span does."""
-    model = tiny("adaptive", n_layers=1, n_heads=2, max_span=64)
-    ramp = model.config.ramp
-    model.set_spans([[z + ramp, z + ramp]])
-    limit = int(torch.tensor(z + ramp).ceil())  # first distance with m_z = 0
-    t = 60
-    tokens = torch.randint(0, 32, (1, t + 1))
-    distances = range(1, t + 1)
-    moved = distances_that_move(model, tokens, t, distances)
-    assert moved == [d < limit for d in distances]
-
-
-def test_cache_reaches_into_previous_blocks():
-    model = tiny("fixed", n_layers=1)
-    tokens = torch.randint(0, 32, (1, 40))
-    changed = tokens.clone()
-    changed[0, 15] = (changed[0, 15] + 1) % 32
-    with torch.no_grad():
-        a, b = run_blocks(model, tokens, 20), run_blocks(model, changed, 20)
-    assert not torch.allclose(a[:, 20:], b[:, 20:])
-
-
-def test_span_penalty_is_lambda_over_heads_times_sum_z():
-    model = tiny("adaptive", span_loss_coef=1e-3)
-    spans = [[10.0, 20.0, 40.0, 64.0], [8.0, 9.0, 33.0, 17.5]]
-    model.set_spans(spans)
-    z = [max(0.0, s - model.config.ramp) for layer in spans for s in layer]
-    expected = 1e-3 / model.config.n_heads * sum(z)
-    assert model.span_loss().item() == pytest.approx(expected, rel=1e-6)
-    assert model.spans() == [[max(s, 8.0) for s in layer] for layer in spans]
-
-
-def test_dynamic_span_penalty_averages_tokens():
-    model = tiny("dynamic", span_loss_coef=1.0)
-    tokens = torch.randint(0, 32, (2, 10))
-    model(tokens)
-    z_means = [layer.attn.span(layer_input).mean(dim=(0, 2)).sum()
-               for layer, layer_input in zip(model.layers, layer_inputs(model, tokens),
-                                             strict=True)]
-    expected = sum(z_means) / model.config.n_heads
-    assert model.span_loss().item() == pytest.approx(expected.item(), rel=1e-5)
-
-
-def layer_inputs(model: SpanLM, tokens: torch.Tensor) -> list[torch.Tensor]:
-    inputs, h = [], model.embed(tokens)
-    for layer in model.layers:
-        inputs.append(h)
-        h, _ = layer(h, torch.zeros(tokens.shape[0], 0, model.config.d_model), model.pos)
-    return inputs
-
-
-def test_fixed_span_has_no_penalty_and_full_spans():
-    model = tiny("fixed")
-    assert model.span_loss().item() == 0.0
-    assert model.spans() == [[64.0] * 4] * 2
-    with pytest.raises(ValueError, match="no learnable span"):
-        model.set_spans([10.0] * 4)
-
-
-def test_clamp_spans_keeps_z_frac_in_unit_interval():
-    model = tiny("adaptive")
-    with torch.no_grad():
-        model.layers[0].attn.span.z_frac.copy_(torch.tensor([-0.5, 0.2, 1.7, 1.0]))
-    model.clamp_spans()
-    assert model.layers[0].attn.span.z_frac.tolist() == pytest.approx([0.0, 0.2, 1.0, 1.0])
-
-
 def test_initialisation_follows_the_paper():
     model = SpanLM(ModelConfig(d_model=64, n_heads=4, n_layers=1, d_inner=128, max_span=2048))
     attn = model.layers[0].attn
@@ -198,7 +61,7 @@ def test_initialisation_follows_the_paper():
     assert model.pos.shape == (2048, 16)  # one set of position embeddings for all heads
 
 
-@pytest.mark.parametrize("kind", (*KINDS, "vanilla"))
+@pytest.mark.parametrize("kind", SHARED_POSITIONS)
 def test_one_position_table_per_model(kind):
     """The paper's single set of p_d: one (S, d_head) parameter, read by every layer."""
     model = tiny(kind, n_layers=2)
@@ -229,21 +92,6 @@ def test_follows_module_dtype():
     out, cache = model(torch.randint(0, 32, (1, 5)))
     assert out.dtype == torch.float64 and cache[0].dtype == torch.float64
     assert torch.allclose(out.exp().sum(-1), torch.ones(1, 5, dtype=torch.float64))
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("d_model", 30), ("n_heads", 0), ("ramp", 1), ("dropout", 1.0), ("attention", "sparse"),
-     ("max_span", -5), ("span_init", 2.0), ("truncation", "some"), ("vocab_size", 2.5)],
-)
-def test_invalid_config_names_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}"):
-        ModelConfig(**{field: value})
-
-
-def test_from_dict_rejects_unknown_keys():
-    with pytest.raises(ValueError, match="unknown model option"):
-        ModelConfig.from_dict({"d_model": 64, "heads": 4})
 
 
 def test_bad_inputs_give_clear_errors():

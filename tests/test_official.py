@@ -16,10 +16,9 @@ from safetensors.torch import save_file
 
 from adaspan.checkpoint import WEIGHTS_FILE, load_model, load_weights, save_config
 from adaspan.cli import main
-from adaspan.config import ModelConfig
+from adaspan.config import ModelConfig, TrainConfig
 from adaspan.data import load_corpus
 from adaspan.model import SpanLM
-from adaspan.train import TrainConfig
 
 S, R, D, HEADS, LAYERS, INNER = 80, 8, 16, 4, 2, 24
 # current_val per layer and head: spans differ per head; in layer 1 every span is short, so

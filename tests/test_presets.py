@@ -6,10 +6,9 @@ import dataclasses
 
 import pytest
 
-from adaspan import ModelConfig
+from adaspan import ModelConfig, TrainConfig
 from adaspan.model import parameter_count
 from adaspan.presets import PRESETS, resolve_config
-from adaspan.train import TrainConfig
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

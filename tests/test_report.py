@@ -13,11 +13,12 @@ import sys
 import pytest
 import torch
 
-from adaspan import ModelConfig
+from adaspan import ModelConfig, TrainConfig
 from adaspan.analysis import compare_figure
 from adaspan.checkpoint import load_model
 from adaspan.cli import main
 from adaspan.data import load_corpus
+from adaspan.memory import profiled_peak
 from adaspan.report import (
     DATA_FILE,
     FIXED,
@@ -27,10 +28,9 @@ from adaspan.report import (
     default_text,
     dynamic_spans,
     flops_curves,
-    profiled_peak,
     write_report,
 )
-from adaspan.train import TrainConfig, train
+from adaspan.train import train
 
 MODEL = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
                     span_bucket=8, span_init=0.3, dropout=0.1)

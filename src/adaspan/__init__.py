@@ -12,19 +12,21 @@ import os
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from ._version import __version__
-from .attention import SpanAttention, banded_attention
+from .attention import Attention, SpanAttention, banded_attention
 from .baselines import FactorizedAttention, VanillaAttention, XLAttention
 from .checkpoint import load_model
-from .config import ModelConfig
+from .config import ModelConfig, TrainConfig
 from .evaluate import evaluate
 from .generate import generate
-from .model import ATTENTION_TYPES, SpanLM
+from .model import SpanLM
+from .registry import ATTENTIONS, register_attention
 from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, soft_mask
-from .train import TrainConfig, train
+from .train import train
 
 __all__ = [
-    "ATTENTION_TYPES",
+    "ATTENTIONS",
     "AdaptiveSpan",
+    "Attention",
     "DynamicSpan",
     "FactorizedAttention",
     "FixedSpan",
@@ -40,6 +42,7 @@ __all__ = [
     "evaluate",
     "generate",
     "load_model",
+    "register_attention",
     "soft_mask",
     "train",
 ]

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from .cache import KeyValueCache, advance, fit_cache
 from .config import ModelConfig
-from .span import Span, soft_mask
+from .registry import register_attention
+from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, soft_mask
 
 
 def skew(x: Tensor, fill: float = 0.0) -> Tensor:
@@ -228,7 +229,7 @@ def _one_query_attention(
 
 
 class Attention(nn.Module):
-    """Interface of every attention variant (see ``adaspan.model.ATTENTION_TYPES``).
+    """Interface of every attention variant (see :data:`adaspan.registry.ATTENTIONS`).
 
     ``forward(x, cache, pos=None)`` takes the block ``x`` (B, M, D), the layer's cache and the
     model's shared position table ``pos`` (S, d_head) and returns the output and the new cache;
@@ -398,3 +399,23 @@ def _group(windows: list[int]) -> list[tuple[int, list[int]]]:
     for head, w in enumerate(windows):
         groups.setdefault(w, []).append(head)
     return list(groups.items())
+
+
+@register_attention("fixed")
+def fixed_span_attention(config: ModelConfig) -> SpanAttention:
+    """Every head sees the last ``max_span`` tokens (the paper's fixed-span model)."""
+    return SpanAttention(config, FixedSpan(config.n_heads, config.max_span, config.ramp))
+
+
+@register_attention("adaptive")
+def adaptive_span_attention(config: ModelConfig) -> SpanAttention:
+    """One learned span z per head (paper §2.2)."""
+    return SpanAttention(config, AdaptiveSpan(config.n_heads, config.max_span, config.ramp,
+                                              init=config.span_init))
+
+
+@register_attention("dynamic")
+def dynamic_span_attention(config: ModelConfig) -> SpanAttention:
+    """A span predicted per token, z_t = S sigmoid(v . x_t + b) (paper §2.2, dynamic)."""
+    return SpanAttention(config, DynamicSpan(config.n_heads, config.max_span, config.ramp,
+                                             config.d_model, config.dynamic_bias_init))

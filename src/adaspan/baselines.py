@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from .attention import Attention, SpanAttention, banded_attention, skew
 from .cache import advance, fit_cache
 from .config import ModelConfig
+from .registry import register_attention
 from .span import FixedSpan
 
 LOCAL, SUMMARY = slice(0, None, 2), slice(1, None, 2)  # factorized heads: A(1) even, A(2) odd
@@ -58,6 +59,7 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
     return torch.softmax(scores, dim=-1) * mask
 
 
+@register_attention("vanilla")
 class VanillaAttention(SpanAttention):
     """Fixed span S inside the current block only, no cache (T12 of Al-Rfou et al. 2019).
 
@@ -96,6 +98,7 @@ class VanillaAttention(SpanAttention):
         return y, x.new_zeros(B, 0, x.shape[2])
 
 
+@register_attention("xl")
 class XLAttention(Attention):
     """Transformer-XL attention (Dai et al. 2019, §3.3) over a memory of S = ``max_span`` states.
 
@@ -168,6 +171,7 @@ class XLAttention(Attention):
         return q, k, r
 
 
+@register_attention("factorized")
 class FactorizedAttention(Attention):
     """Sparse Transformer "fixed" factorized attention (Child et al. 2019), stride l, c summaries.
 

@@ -22,6 +22,7 @@ import torch
 
 from .analysis import flops_per_char
 from .config import ModelConfig
+from .memory import estimate_training_memory
 from .model import SpanLM
 
 
@@ -99,6 +100,8 @@ def bench(
         "flops_per_char": flops,
         "train_gflops": 2 * 3 * flops * train_cps / 1e9,  # 2 per multiply-add; fwd + bwd = 3x
         "eval_gflops": 2 * flops * eval_cps / 1e9,
+        "estimated_memory_mb": estimate_training_memory(
+            model, "adagrad", batch_size, block_size).total / 2**20,  # what train checks
         "peak_memory_mb": _peak_memory_mb(device),
         "matmul_gflops": matmul_gflops(device=device),
     }

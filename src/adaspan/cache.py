@@ -1,13 +1,15 @@
 """What a layer carries from one block to the next.
 
 Training carries hidden states (the paper's cache; their keys are recomputed with the current
-weights every step). Inference carries projected keys and values in a :class:`KeyValueCache`,
+weights every step): one tensor (B, C, D) per layer, gathered for all the training streams in a
+:class:`StreamCache`. Inference carries projected keys and values in a :class:`KeyValueCache`,
 written in place into a buffer with room for the next blocks, so that a step neither projects
 nor copies the whole history.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +33,36 @@ def advance(past: Tensor, block: Tensor, length: int) -> Tensor:
     by ``block`` (detached: the next step recomputes their keys, no gradient flows back)."""
     keep = max(0, length - block.shape[1])  # states of the past still inside the new cache
     return torch.cat([past[:, past.shape[1] - keep :], block.detach()], dim=1)[:, -length:]
+
+
+@dataclass(frozen=True)
+class StreamCache:
+    """The training cache: per layer, the hidden states (B, C_l, D) that each of the B streams
+    carries to its next block (C_l: what that layer's heads can still see)."""
+
+    layers: list[Tensor]
+
+    def rows(self, rows: slice) -> StreamCache:
+        """The cache of streams ``rows`` (a slice of the batch)."""
+        return StreamCache([layer[rows] for layer in self.layers])
+
+    @classmethod
+    def merge(cls, parts: Sequence[StreamCache]) -> StreamCache:
+        """Caches of consecutive groups of streams joined into one (rows in order).
+
+        Shorter caches are left-padded with zeros, which the model reads exactly as missing
+        history."""
+        if len(parts) == 1:
+            return parts[0]
+        merged = []
+        for layers in zip(*(part.layers for part in parts), strict=True):
+            length = max(layer.shape[1] for layer in layers)
+            merged.append(torch.cat([fit_cache(layer, length) for layer in layers]))
+        return cls(merged)
+
+    def to(self, device: torch.device | str) -> StreamCache:
+        """The same states on ``device``, detached (``cpu`` before saving or gathering)."""
+        return StreamCache([layer.detach().to(device) for layer in self.layers])
 
 
 @dataclass(frozen=True)
@@ -90,6 +122,9 @@ class KeyValueCache:
                 and self.end + keys.shape[2] <= self.key_buffer.shape[2]
                 and self.key_buffer.dtype == keys.dtype
                 and self.key_buffer.device == keys.device)
+
+
+Cache = list[Tensor | KeyValueCache]  # what SpanLM.forward takes and returns: one per layer
 
 
 def _copy_into_new_buffer(old: Tensor, new: Tensor, history: int) -> Tensor:

@@ -2,28 +2,36 @@
 
 Layout of a run directory::
 
-    config.json        model and train configuration, adaspan version
-    model.safetensors  weights, with the training step in the metadata
-    state.pt           step, data position, carried cache, optimiser, scheduler, RNG states
-    metrics.jsonl      one JSON object per log/eval event (written by adaspan.train)
-    tb/                TensorBoard events (when tensorboard is installed)
+    config.json         model and train configuration, adaspan version
+    model.safetensors   weights, with the training step in the metadata
+    state.safetensors   step, data position, carried cache, optimiser, scheduler, RNG states:
+                        tensors, with everything else as JSON in the metadata
+    metrics.jsonl       one JSON object per log/eval event (written by adaspan.train)
+    checkpoints/        step-N/: the last ``keep_last`` checkpoints (hard links), if asked
+    tb/                 TensorBoard events (when tensorboard is installed)
+
+Nothing is read with pickle, so a run directory from elsewhere cannot run code (the
+``state.pt`` of adaspan 0.1-0.2 runs is read with ``torch.load(weights_only=True)``).
 
 Each file of a checkpoint is written to a temporary file in the run directory, flushed and
 fsynced; only then are all of them renamed into place, one right after the other. An
-interrupted save leaves the previous checkpoint readable, and the step stored in both the
-weights and the state detects the (tiny) window in which they could disagree.
+interrupted save leaves the previous checkpoint readable (its temporary files are removed at
+the next start), and the step stored in both the weights and the state detects the (tiny)
+window in which they could disagree.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
+import shutil
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,15 +39,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ._version import __version__
-from .config import ModelConfig
-from .model import Cache, SpanLM
-
-if TYPE_CHECKING:
-    from .train import TrainConfig
+from .cache import StreamCache
+from .config import ModelConfig, TrainConfig
+from .data import resolve_data
+from .model import SpanLM
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-STATE_FILE = "state.pt"
+STATE_FILE = "state.safetensors"
+LEGACY_STATE_FILE = "state.pt"  # adaspan 0.1-0.2
+TEMP_SUFFIX = ".tmp"
+ARCHIVE_DIR = "checkpoints"  # earlier checkpoints kept with TrainConfig.keep_last
 
 
 class RunDirError(Exception):
@@ -52,7 +62,7 @@ class TrainingState:
 
     step: int  # optimiser steps done
     position: int  # index of the next training block
-    cache: Cache  # carried hidden states of every stream (all batch rows)
+    cache: StreamCache  # carried hidden states of every stream (all batch rows)
     elapsed: float = 0.0  # seconds of training so far
 
 
@@ -62,10 +72,12 @@ def atomic_write(files: dict[Path, Callable[[Path], None]]) -> None:
     All temporary files are written and fsynced before any is renamed into place.
     """
     temps: dict[Path, Path] = {}
+    mode = 0o666 & ~_umask()
     try:
         for path, write in files.items():
-            temps[path] = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+            temps[path] = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
             write(temps[path])
+            os.chmod(temps[path], mode)  # as a plain open() would (safetensors writes 0600)
             with temps[path].open("rb+") as written:
                 os.fsync(written.fileno())
         for path, temp in temps.items():
@@ -75,6 +87,20 @@ def atomic_write(files: dict[Path, Callable[[Path], None]]) -> None:
             temp.unlink(missing_ok=True)
     for folder in {path.parent for path in files}:
         _fsync_dir(folder)
+
+
+def remove_temporaries(run_dir: Path) -> list[Path]:
+    """Delete the temporary files that an interrupted :func:`atomic_write` left; return them."""
+    stale = [path for path in run_dir.glob(f".*{TEMP_SUFFIX}") if path.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -121,9 +147,60 @@ def read_config(run_dir: str | Path) -> dict:
     return config
 
 
+def load_run_config(run_dir: str | Path) -> tuple[ModelConfig, TrainConfig]:
+    """The model and train configurations saved in ``run_dir``."""
+    saved = read_config(run_dir)
+    return ModelConfig.from_dict(saved["model"]), TrainConfig.from_dict(saved["train"])
+
+
+def new_run_dir(name: str) -> Path:
+    """``runs/NAME-YYYYmmdd-HHMMSS``: where a run goes when no directory is given."""
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def prepare_run_dir(
+    run_dir: Path, model_config: ModelConfig, config: TrainConfig, resume: bool
+) -> None:
+    """Refuse to overwrite a run, or to resume one that is missing or was set up differently
+    (another model, or another value of an option that must stay fixed on resume)."""
+    if not resume:
+        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+            raise RunDirError(f"run directory {run_dir} already exists and is not empty: pass "
+                              "--resume to continue that run, or choose another directory")
+        return
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise RunDirError(f"nothing to resume in {run_dir}: it is not a run directory (no "
+                          f"{CONFIG_FILE})")
+    saved = read_config(run_dir)
+    changed = [f"model.{name}={value!r} (saved: {saved['model'].get(name)!r})"
+               for name, value in model_config.to_dict().items()
+               if saved["model"].get(name) != value]
+    changed += [f"train.{name}={getattr(config, name)!r} (saved: {saved['train'].get(name)!r})"
+                for name in TrainConfig.fixed_on_resume()
+                if not _same_option(name, saved["train"].get(name), getattr(config, name))]
+    if changed:
+        raise RunDirError(f"cannot resume {run_dir} with different settings: "
+                          f"{'; '.join(changed)}")
+
+
+def _same_option(name: str, saved: object, value: object) -> bool:
+    """Whether a train option keeps its saved value (corpus paths compared resolved)."""
+    if name == "data" and isinstance(saved, str) and isinstance(value, str):
+        return resolve_data(saved) == resolve_data(value)
+    return saved == value
+
+
 def has_checkpoint(run_dir: str | Path) -> bool:
     """Whether ``run_dir`` holds weights and training state to resume from."""
-    return all((Path(run_dir) / name).is_file() for name in (WEIGHTS_FILE, STATE_FILE))
+    run_dir = Path(run_dir)
+    return (run_dir / WEIGHTS_FILE).is_file() and _state_path(run_dir) is not None
+
+
+def _state_path(run_dir: Path) -> Path | None:
+    for name in (STATE_FILE, LEGACY_STATE_FILE):
+        if (run_dir / name).is_file():
+            return run_dir / name
+    return None
 
 
 def save_checkpoint(
@@ -133,13 +210,16 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     step: int,
     position: int,
-    cache: Cache,
+    cache: StreamCache,
     train_config: TrainConfig,
     *,
     elapsed: float = 0.0,
     rng: list[dict] | None = None,
 ) -> None:
     """Write config, weights and training state of ``run_dir`` atomically.
+
+    The training state holds the weights too, and is renamed into place last: a run killed at
+    any moment resumes from one consistent checkpoint, the previous or the new one.
 
     ``rng`` holds one :func:`rng_state` per distributed rank (default: this process's).
     """
@@ -151,16 +231,33 @@ def save_checkpoint(
         "step": step,
         "position": position,
         "elapsed": elapsed,
-        "cache": [layer.detach().cpu() for layer in cache],
+        "cache": cache.to("cpu").layers,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "rng": rng if rng is not None else [rng_state()],
+        "model": weights,
     }
-    atomic_write({
+    atomic_write({  # the state, which alone is read to resume, is renamed into place last
         run_dir / CONFIG_FILE: _json_writer(_config_payload(model.config, train_config)),
         run_dir / WEIGHTS_FILE: lambda path: save_file(weights, path, metadata={"step": str(step)}),
-        run_dir / STATE_FILE: lambda path: torch.save(state, path),
+        run_dir / STATE_FILE: lambda path: _save_state(state, path),
     })
+    (run_dir / LEGACY_STATE_FILE).unlink(missing_ok=True)  # superseded (a resumed 0.2 run)
+
+
+def archive_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
+    """Link the latest checkpoint's weights and state into ``checkpoints/step-N`` and delete
+    all but the ``keep_last`` newest there; return the new folder."""
+    archive = run_dir / ARCHIVE_DIR
+    folder = archive / f"step-{step:09d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in (CONFIG_FILE, WEIGHTS_FILE, STATE_FILE):
+        target = folder / name
+        target.unlink(missing_ok=True)
+        os.link(run_dir / name, target)  # the run's files are replaced, never rewritten
+    for old in sorted(archive.glob("step-*"))[:-keep_last]:
+        shutil.rmtree(old)
+    return folder
 
 
 def load_model(run_dir: str | Path, device: str | torch.device = "cpu") -> SpanLM:
@@ -184,11 +281,15 @@ def load_weights(run_dir: str | Path, model: SpanLM) -> int:
         tensors = load_file(path)
     except (OSError, SafetensorError) as exc:
         raise RunDirError(f"cannot read {path}: {exc}") from exc
+    _load_state_dict(model, tensors, path)
+    return step
+
+
+def _load_state_dict(model: SpanLM, tensors: dict, path: Path) -> None:
     try:
         model.load_state_dict(tensors)
     except RuntimeError as exc:
         raise RunDirError(f"{path} does not match the model of {CONFIG_FILE}: {exc}") from exc
-    return step
 
 
 def load_training_state(
@@ -201,13 +302,11 @@ def load_training_state(
 ) -> TrainingState:
     """Restore weights, optimiser, scheduler and the RNG states of ``rank`` from ``run_dir``."""
     run_dir = Path(run_dir)
-    weights_step = load_weights(run_dir, model)
-    path = _require_file(run_dir, STATE_FILE)
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise RunDirError(f"cannot read {path}: {exc}") from exc
-    if state["step"] != weights_step:
+    path = _state_path(run_dir) or _require_file(run_dir, STATE_FILE)
+    state = _load_state(path, device)
+    if "model" in state:
+        _load_state_dict(model, state["model"], path)
+    elif (weights_step := load_weights(run_dir, model)) != state["step"]:  # a 0.1-0.2 run
         raise RunDirError(
             f"{run_dir} is inconsistent: weights are from step {weights_step}, training state "
             f"from step {state['step']} (a save was cut short); restore a backup or start over"
@@ -216,7 +315,64 @@ def load_training_state(
     scheduler.load_state_dict(state["scheduler"])
     rngs = state["rng"]
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
-    return TrainingState(state["step"], state["position"], state["cache"], state["elapsed"])
+    return TrainingState(state["step"], state["position"], StreamCache(state["cache"]),
+                         state["elapsed"])
+
+
+def _save_state(state: dict, path: Path) -> None:
+    """``state`` as safetensors: its tensors, and the rest as JSON in the metadata."""
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _to_tree(state, tensors)
+    save_file({k: t.contiguous() for k, t in tensors.items()}, path,
+              metadata={"state": json.dumps(tree)})
+
+
+def _load_state(path: Path, device: str | torch.device) -> dict:
+    """What :func:`_save_state` wrote (or an adaspan 0.1-0.2 ``state.pt``, without pickle's
+    code execution); a file that is not one is refused as such."""
+    try:
+        if path.name == LEGACY_STATE_FILE:
+            return torch.load(path, map_location=device, weights_only=True)
+        with safe_open(path, framework="pt", device=str(device)) as stored:
+            tensors = {key: stored.get_tensor(key) for key in stored.keys()}  # noqa: SIM118
+            tree = json.loads((stored.metadata() or {})["state"])
+        return _from_tree(tree, tensors)
+    except (OSError, RuntimeError, EOFError, SafetensorError, pickle.UnpicklingError,
+            KeyError, ValueError, TypeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if path.name == LEGACY_STATE_FILE:  # never relay advice to disable the check
+            reason = "not a training state of adaspan (it holds other objects or code)"
+        raise RunDirError(f"cannot read {path}: {reason}; it is refused as it is: restore "
+                          "it from a backup or start the run over") from None
+
+
+def _to_tree(value: object, tensors: dict[str, torch.Tensor]) -> object:
+    """``value`` (dicts, lists, tuples, tensors, JSON scalars) as JSON, its tensors moved
+    into ``tensors`` and referred to by key; tuples and non-string keys are marked."""
+    if isinstance(value, torch.Tensor):
+        key = str(len(tensors))
+        tensors[key] = value.detach().cpu()
+        return {"tensor": key}
+    if isinstance(value, dict):
+        return {"dict": [[_to_tree(k, tensors), _to_tree(v, tensors)] for k, v in value.items()]}
+    if isinstance(value, list | tuple):
+        return {type(value).__name__: [_to_tree(v, tensors) for v in value]}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"cannot store a {type(value).__name__} in a training state")
+
+
+def _from_tree(tree: object, tensors: dict[str, torch.Tensor]) -> object:
+    """The inverse of :func:`_to_tree`."""
+    if not isinstance(tree, dict):
+        return tree
+    (kind, body), = tree.items()
+    if kind == "tensor":
+        return tensors[body]
+    if kind == "dict":
+        return {_from_tree(k, tensors): _from_tree(v, tensors) for k, v in body}
+    items = [_from_tree(v, tensors) for v in body]
+    return tuple(items) if kind == "tuple" else items
 
 
 def rng_state() -> dict:

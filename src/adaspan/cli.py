@@ -5,63 +5,19 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import inspect
 import json
+import os
 import sys
 import time
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ._version import __version__
-
-# One line of help per option: what it does and the paper's value (paper §3 unless stated).
-OPTION_HELP: dict[str, str] = {
-    # model
-    "vocab_size": "size of the byte vocabulary (256: every corpus is read as bytes)",
-    "d_model": "hidden size d (paper: 512 small, 768 large)",
-    "n_heads": "attention heads per layer M (paper: 8)",
-    "n_layers": "number of layers (paper: 12 small, 24 large)",
-    "d_inner": "feed-forward ReLU width (paper: 2048 small, 4096 large)",
-    "dropout": "dropout on attention weights and ReLU activations (paper: 0.3 small, 0.4 large)",
-    "attention": "fixed | adaptive | dynamic | vanilla | xl | factorized (paper: adaptive)",
-    "max_span": "span limit S, in tokens (paper: 512 to 8192)",
-    "ramp": "width R of the soft mask's ramp (paper: 32)",
-    "span_init": "initial z' of adaptive spans, z = S z' (paper: 0)",
-    "span_loss_coef": "lambda of the span penalty lambda/M sum z (paper: 2e-6; 0.5e-6 at S=8192)",
-    "dynamic_bias_init": "initial bias b of dynamic spans z_t = S sigmoid(v.x_t + b) (paper: -4)",
-    "span_bucket": "key windows are rounded up to a multiple of this (adaspan: 64)",
-    "truncation": "head (per-head key windows) | layer (longest head of the layer) | none",
-    "position_table": "model (one p_d table for all layers, paper) | layer (one per layer)",
-    "factorized_stride": "stride l of the factorized (Sparse Transformer) pattern (seed: 128, 256)",
-    "factorized_c": "summary positions c per stride of the factorized pattern (seed: 8, 16, 32)",
-    # train
-    "data": "corpus: kjv (bundled, default) | enwik8 | text8 | a text file or directory",
-    "data_dir": "where enwik8/text8 are cached (default: $ADASPAN_DATA or ~/.cache/adaspan)",
-    "batch_size": "parallel streams per step (paper: 64)",
-    "block_size": "characters per stream per step (paper: 512)",
-    "steps": "optimiser steps (paper: 600k; 900k at S=8192)",
-    "optimizer": "adagrad | adamw (paper: adagrad)",
-    "lr": "learning rate after warm-up (paper: 0.07)",
-    "warmup": "steps of linear warm-up from 0 (paper: 32k)",
-    "clip": "gradient clipping threshold; 0 = off (paper: 0.03)",
-    "clip_mode": "per-tensor-lr (each tensor's step times min(1, clip/|g|), the authors') | "
-                 "global (joint gradient norm <= clip)",
-    "weight_decay": "AdamW weight decay (paper: none)",
-    "lr_drop_steps": "final steps run at lr * lr_drop_factor (paper, large models: 20k)",
-    "lr_drop_factor": "learning-rate factor for the final steps (paper: 0.1)",
-    "batch_split": "process the batch in this many slices (same update, less memory)",
-    "seed": "random seed",
-    "device": "auto | cpu | cuda | cuda:N (auto: CUDA when available)",
-    "dtype": "float32 | bfloat16 (autocast)",
-    "eval_interval": "steps between validations",
-    "eval_chars": "each validation scores the first N characters of the valid split",
-    "log_interval": "steps between log lines and metrics records",
-    "checkpoint_interval": "steps between checkpoints",
-    "time_budget": "stop cleanly (with a checkpoint) after this many seconds",
-    "tensorboard": "also write TensorBoard logs under RUN_DIR/tb (true | false)",
-}
+from .registry import ATTENTIONS
 
 
 class CLIError(Exception):
@@ -81,20 +37,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.run(args) or 0
-    except KeyboardInterrupt:
-        print("\nadaspan: interrupted", file=sys.stderr)
-        return 130
-    except (CLIError, ValueError, FileNotFoundError, *_user_errors()) as err:
-        print(f"adaspan: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt as stop:  # a signal: training saved first (train.Interrupted)
+        print(f"\nadaspan: {stop or 'interrupted'}", file=sys.stderr)
+        return 128 + getattr(stop, "signum", 2)
+    except _user_errors() as err:
+        if args.debug:
+            raise
+        print(f"adaspan: error: {_one_line(err)}", file=sys.stderr)
         return 2
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    """Expected failures: bad input or files, full disks, divergence. Reported on one line
+    (``--debug``: with the traceback)."""
     from .analysis import PlotError
     from .checkpoint import RunDirError
-    from .data import DataError
+    from .download import DataError
 
-    return (DataError, RunDirError, PlotError)
+    return (CLIError, ValueError, OSError, FloatingPointError, MemoryError, DataError,
+            RunDirError, PlotError)
+
+
+def _one_line(err: Exception) -> str:
+    """The error's message on one line (OSError: its reason and file)."""
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Character-level language models whose attention heads learn their span.",
     )
     parser.add_argument("--version", action="version", version=f"adaspan {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error, not only its message")
     commands = parser.add_subparsers(metavar="COMMAND")
     for add in (_add_train, _add_evaluate, _add_generate, _add_inspect, _add_report, _add_bench,
                 _add_download, _add_presets, _add_demo, _add_compare, _add_convert_official):
@@ -110,28 +81,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(commands, run, run_dir: bool = False) -> argparse.ArgumentParser:
+    """The sub-command carried out by the function ``run`` (``_convert_official``:
+    ``convert-official``), whose docstring gives the command's help (first paragraph) and
+    description; ``run_dir``: its first argument is a run directory."""
+    doc = inspect.getdoc(run)
+    parser = commands.add_parser(run.__name__[1:].replace("_", "-"), help=doc.split("\n\n")[0],
+                                 description=doc)
+    parser.set_defaults(run=run)
+    if run_dir:
+        parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    return parser
+
+
 # ---------------------------------------------------------------------------------------- train
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
-    from .config import ModelConfig
-    from .train import TrainConfig
+    """One option per field of the configurations, with the field's help."""
+    from .config import SECTIONS
 
-    for section, cls in (("model", ModelConfig), ("train", TrainConfig)):
+    for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} options (override preset and file)")
         for field in fields(cls):
-            default = "" if field.default is MISSING else f" [default: {field.default}]"
             group.add_argument(f"--{field.name.replace('_', '-')}", dest=f"{section}.{field.name}",
-                               metavar="X", default=None,
-                               help=OPTION_HELP.get(field.name, "") + default)
+                               metavar="X", default=None, help=cls.help(field))
 
 
 def _add_train(commands) -> None:
-    p = commands.add_parser(
-        "train", help="train a model",
-        description="Train a model. Options apply in order: defaults (the paper's small model) "
-        "< --preset < --config FILE < the options below < KEY=VALUE overrides.",
-    )
+    p = _command(commands, _train)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="override any option, e.g. lr=0.01 or model.max_span=1024")
     p.add_argument("--preset", help="named configuration (see `adaspan presets`)")
@@ -141,7 +119,6 @@ def _add_train(commands) -> None:
                    help="continue the run in RUN_DIR exactly where it stopped")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_config_options(p)
-    p.set_defaults(run=_train)
 
 
 def _config_overrides(args: argparse.Namespace) -> list[str]:
@@ -151,8 +128,14 @@ def _config_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _train(args: argparse.Namespace) -> int:
+    """Train a model.
+
+    Options apply in order: defaults (the paper's small model) < --preset < --config FILE <
+    the options below < KEY=VALUE overrides."""
+    from .checkpoint import load_run_config, new_run_dir
+    from .distributed import Distributed
     from .presets import resolve_config
-    from .train import load_run_config, train
+    from .train import train
 
     overrides = _config_overrides(args)
     if args.resume:
@@ -164,10 +147,11 @@ def _train(args: argparse.Namespace) -> int:
         run_dir = args.resume
     else:
         model_config, train_config = resolve_config(args.preset, args.config, overrides)
-        run_dir = args.run_dir or _new_run_dir(args.preset or "run")
+        run_dir = args.run_dir or new_run_dir(args.preset or "run")
     summary = train(model_config, train_config, run_dir, resume=bool(args.resume),
                     progress=not args.no_progress)
-    print(json.dumps(_rounded(summary)))
+    if Distributed.from_env().is_main:  # under torchrun: one summary, not one per process
+        print(json.dumps(_rounded(summary)))
     return 0
 
 
@@ -175,15 +159,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_evaluate(commands) -> None:
-    p = commands.add_parser("evaluate", help="bits per character of a trained model on a split")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p = _command(commands, _evaluate, run_dir=True)
     p.add_argument("--data", help="corpus (default: the one the run was trained on); for a run "
                    "made by convert-official, a directory in the authors' format")
     p.add_argument("--data-dir", help="cache directory for enwik8/text8")
     p.add_argument("--split", choices=("train", "valid", "test"), default="valid")
-    p.add_argument("--batch-size", type=int, default=8, help="parallel streams (paper: 8)")
-    p.add_argument("--block-size", type=int, help="characters per block (default: the run's)")
-    p.add_argument("--max-chars", type=int,
+    p.add_argument("--batch-size", type=_positive_int, default=8,
+                   help="parallel streams (paper: 8)")
+    p.add_argument("--block-size", type=_positive_int,
+                   help="characters per block (default: the run's)")
+    p.add_argument("--max-chars", type=_positive_int,
                    help="score only the first N characters of the split (a contiguous prefix)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -193,10 +178,10 @@ def _add_evaluate(commands) -> None:
                    "stream after stream: text order with --batch-size 1)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=_evaluate)
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    """Bits per character of a trained model on a split."""
     from .checkpoint import load_model, read_config
     from .evaluate import evaluate
     from .official import read_vocab
@@ -244,21 +229,22 @@ def _official_split(
 
 
 def _add_generate(commands) -> None:
-    p = commands.add_parser("generate", help="sample text from a trained model",
-                            description="Print the prompt, then each character as it is sampled.")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p = _command(commands, _generate, run_dir=True)
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--length", type=int, default=500, help="bytes to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, help="sample among the k most likely bytes only")
+    p.add_argument("--top-k", type=_positive_int,
+                   help="sample among the k most likely bytes only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true",
                    help="no streaming: print one JSON object with the text and its speed")
-    p.set_defaults(run=_generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """Sample text from a trained model.
+
+    Print the prompt, then each character as it is sampled."""
     from .checkpoint import load_model
     from .generate import stream
     from .official import byte_codec, encode_bytes, read_vocab
@@ -266,7 +252,8 @@ def _generate(args: argparse.Namespace) -> int:
     vocab = read_vocab(args.run_dir)
     to_id, to_byte = byte_codec(vocab) if vocab is not None else (None, None)
     model = load_model(args.run_dir, _device(args.device))
-    prompt = args.prompt.encode()
+    prompt = typed = os.fsencode(args.prompt)  # the bytes typed, UTF-8 or not
+    shown = typed.decode("utf-8", errors="replace")
     if to_id is not None:  # a converted run: token ids of byte symbols, <eos> for newlines
         prompt = bytes(encode_bytes(prompt or b"\n", to_id, "prompt"))
     tokens = stream(model, prompt, args.length, args.temperature, args.top_k,
@@ -276,11 +263,11 @@ def _generate(args: argparse.Namespace) -> int:
         tic = time.perf_counter()
         text = bytes(chars)
         seconds = time.perf_counter() - tic
-        print(json.dumps({"prompt": args.prompt, "text": text.decode("utf-8", errors="replace"),
+        print(json.dumps({"prompt": shown, "text": text.decode("utf-8", errors="replace"),
                           "chars": len(text), "seconds": round(seconds, 6),
                           "chars_per_s": round(len(text) / seconds, 3) if seconds else None}))
     else:
-        _write_stream(args.prompt, chars)
+        _write_stream(shown, chars)
     return 0
 
 
@@ -302,15 +289,14 @@ def _write_stream(prompt: str, chars) -> None:
 
 
 def _add_inspect(commands) -> None:
-    p = commands.add_parser("inspect", help="learned spans, training curves and plots of a run")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p = _command(commands, _inspect, run_dir=True)
     p.add_argument("--plot", type=Path, metavar="DIR",
                    help="write spans.png and curves.png into DIR (e.g. the run directory)")
     p.add_argument("--json", action="store_true", help="print spans and summary as JSON")
-    p.set_defaults(run=_inspect)
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    """Learned spans, training curves and plots of a run."""
     from .analysis import plot_curves, plot_spans, read_metrics, span_summary, span_table
     from .checkpoint import load_model
 
@@ -339,13 +325,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _add_report(commands) -> None:
-    p = commands.add_parser(
-        "report", help="one HTML page with a run's curves, spans and the paper's figures",
-        description="Write OUT/report.html, a self-contained page (figures embedded): the "
-        "configuration, bpc curves, spans during training, the final spans (paper Figure 4), "
-        "FLOPs and memory against the span limit (Figure 3) and, for dynamic spans, the span "
-        "along a text (Figure 5); and OUT/report.json, the numbers behind the figures.")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p = _command(commands, _report, run_dir=True)
     p.add_argument("--out", type=Path, metavar="DIR", help="output directory [RUN_DIR/report]")
     p.add_argument("--text", help="text of the Figure 5 panel (dynamic spans) [a piece of the "
                    "run's valid split]")
@@ -354,10 +334,15 @@ def _add_report(commands) -> None:
     p.add_argument("--no-memory", action="store_true",
                    help="skip the memory probe (one training step per limit and curve)")
     p.add_argument("--device", default="cpu", help="where the model and memory probe run")
-    p.set_defaults(run=_report)
 
 
 def _report(args: argparse.Namespace) -> int:
+    """One HTML page with a run's curves, spans and the paper's figures.
+
+    Write OUT/report.html, a self-contained page (figures embedded): the configuration, bpc
+    curves, spans during training, the final spans (paper Figure 4), FLOPs and memory against
+    the span limit (Figure 3) and, for dynamic spans, the span along a text (Figure 5); and
+    OUT/report.json, the numbers behind the figures."""
     from .report import write_report
 
     try:
@@ -377,26 +362,29 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _add_bench(commands) -> None:
-    p = commands.add_parser(
-        "bench", help="measure train/eval/generation speed, FLOPs and memory of a configuration",
-        description="One warm-up step, then --steps timed steps with the cache carried; medians.")
+    p = _command(commands, _bench)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="model options")
     p.add_argument("--preset", help="take the model of this preset")
     p.add_argument("--config", type=Path, help="TOML file with a [model] table")
     p.add_argument("--spans", help="'fixed', or spans cycled over the heads, e.g. 32,64,128,1024")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
-    p.add_argument("--gen-chars", type=int, default=64, help="characters generated for timing")
+    p.add_argument("--batch-size", type=_positive_int, default=8)
+    p.add_argument("--block-size", type=_positive_int, default=256)
+    p.add_argument("--steps", type=_positive_int, default=5,
+                   help="timed steps (after one warm-up)")
+    p.add_argument("--gen-chars", type=_positive_int, default=64,
+                   help="characters generated for timing")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--statistic", choices=("median", "mean"), default="median",
                    help="of the timed steps (mean: the protocol of the authors' bench script)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
+    """Measure train/eval/generation speed, FLOPs and memory of a configuration.
+
+    One warm-up step, then --steps timed steps with the cache carried; the median (or mean)
+    of their times."""
     from .bench import bench
     from .presets import resolve_config
 
@@ -415,14 +403,15 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _add_download(commands) -> None:
-    p = commands.add_parser("download", help="download and verify enwik8 or text8")
+    p = _command(commands, _download)
     p.add_argument("name", choices=("enwik8", "text8"))
-    p.add_argument("--data-dir", help=OPTION_HELP["data_dir"])
-    p.set_defaults(run=_download)
+    p.add_argument("--data-dir", help="where enwik8/text8 are cached (default: $ADASPAN_DATA "
+                   "or ~/.cache/adaspan)")
 
 
 def _download(args: argparse.Namespace) -> int:
-    from .data import download_benchmark
+    """Download and verify enwik8 or text8."""
+    from .download import download_benchmark
 
     print(download_benchmark(args.name, args.data_dir))
     return 0
@@ -432,12 +421,12 @@ def _download(args: argparse.Namespace) -> int:
 
 
 def _add_presets(commands) -> None:
-    p = commands.add_parser("presets", help="list the named configurations")
+    p = _command(commands, _presets)
     p.add_argument("name", nargs="?", help="show this preset's options")
-    p.set_defaults(run=_presets)
 
 
 def _presets(args: argparse.Namespace) -> int:
+    """List the named configurations."""
     from .model import parameter_count
     from .presets import PRESETS, resolve_config
 
@@ -457,41 +446,19 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def _add_demo(commands) -> None:
-    p = commands.add_parser(
-        "demo", help="train a small model on the bundled corpus for a few minutes, then report")
-    p.add_argument("--minutes", type=float, default=6.0,
+    p = _command(commands, _demo)
+    p.add_argument("--minutes", type=_positive_float, default=6.0,
                    help="cap on training time (the demo preset runs 2,400 steps, ~4 min)")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where to write the run (default: runs/demo-TIME)")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .analysis import span_table
-    from .checkpoint import load_model
-    from .data import load_corpus
-    from .evaluate import evaluate
-    from .generate import generate
-    from .presets import resolve_config
-    from .train import train
+    """Train a small model on the bundled corpus for a few minutes, then report."""
+    from .demo import run_demo
 
-    run_dir = args.run_dir or _new_run_dir("demo")
-    model_config, train_config = resolve_config(
-        "demo", overrides=[f"time_budget={args.minutes * 60}"])
-    _say(f"training the demo model for up to {args.minutes:g} minutes in {run_dir}")
-    train(model_config, train_config, run_dir, progress=not args.no_progress)
-    model = load_model(run_dir)
-    corpus = load_corpus(train_config.data)
-    result = evaluate(model, corpus.valid, batch_size=8, block_size=train_config.block_size,
-                      progress=not args.no_progress)
-    _say(f"validation: {result['bpc']:.3f} bits per character over {result['chars']:,} "
-         f"characters (uniform over bytes: 8 bits)")
-    _say("learned span of every head (tokens):\n" + span_table(model.spans()))
-    sample = generate(model, b"And God said", 300, temperature=0.8,
-                      generator=torch.Generator().manual_seed(0))
-    _say("sample:\nAnd God said" + sample.decode("utf-8", errors="replace"))
-    _say(f"run saved in {run_dir}: try `adaspan inspect {run_dir} --plot {run_dir}`")
+    run_demo(args.minutes, args.run_dir, progress=not args.no_progress)
     return 0
 
 
@@ -499,16 +466,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_compare(commands) -> None:
-    from .config import ATTENTIONS
-
-    p = commands.add_parser(
-        "compare", help="train several attention methods on one budget and tabulate them",
-        description="Train each method on the same data, with the same seed and budget, then "
-        "evaluate it and write a table in the form of the paper's Table 1 to OUT/compare.md "
-        "and OUT/compare.csv, and the methods' curves side by side (bpc against training time "
-        "and steps, average span) to OUT/compare_curves.png and OUT/compare.html. Re-running "
-        "with the same --out reuses the finished runs.",
-    )
+    p = _command(commands, _compare)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="override any option for every method, e.g. d_model=128")
     p.add_argument("--methods", default=",".join(ATTENTIONS),
@@ -517,18 +475,26 @@ def _add_compare(commands) -> None:
                    help="named configuration [default: %(default)s]")
     p.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--minutes", type=float, help="training time of each method")
-    budget.add_argument("--steps", type=int, help="training steps of each method")
+    budget.add_argument("--minutes", type=_positive_float,
+                        help="training time of each method")
+    budget.add_argument("--steps", type=_positive_int, help="training steps of each method")
     p.add_argument("--out", type=Path, help="output directory (default: runs/compare-TIME)")
     p.add_argument("--test", action="store_true", help="also report test bpc")
-    p.add_argument("--eval-chars", type=int, metavar="N",
+    p.add_argument("--eval-chars", type=_positive_int, metavar="N",
                    help="evaluate on the first N characters of each split (default: all)")
     p.add_argument("--json", action="store_true", help="end with the rows as one JSON line")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=_compare)
 
 
 def _compare(args: argparse.Namespace) -> int:
+    """Train several attention methods on one budget and tabulate them.
+
+    Train each method on the same data, with the same seed and budget, then evaluate it and
+    write a table in the form of the paper's Table 1 to OUT/compare.md and OUT/compare.csv, and
+    the methods' curves side by side (bpc against training time and steps, average span) to
+    OUT/compare_curves.png and OUT/compare.html. Re-running with the same --out reuses the
+    finished runs."""
+    from .checkpoint import new_run_dir
     from .compare import MARKDOWN_FILE, compare
     from .presets import resolve_config
 
@@ -539,7 +505,7 @@ def _compare(args: argparse.Namespace) -> int:
         budget = [f"steps={args.steps}"]
     model_config, train_config = resolve_config(args.preset, args.config,
                                                 budget + list(args.overrides))
-    out = args.out or _new_run_dir("compare")
+    out = args.out or new_run_dir("compare")
     methods = [method.strip() for method in args.methods.split(",") if method.strip()]
     rows = compare(methods, model_config, train_config, out, args.test, args.eval_chars,
                    progress=not args.no_progress)
@@ -556,11 +522,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _add_convert_official(commands) -> None:
     from .official import DEFAULT_DROPOUT, DEFAULT_RAMP, DEFAULT_SPAN_LOSS
 
-    p = commands.add_parser(
-        "convert-official", help="import a checkpoint of the authors' code as an adaspan run",
-        description="Convert a checkpoint written by the training script of the paper's authors "
-        "(facebookresearch/adaptive-span, no adaptive input/output or persistent memory) into "
-        "an adaspan run directory with the same log-probabilities (see docs/official.md).")
+    p = _command(commands, _convert_official)
     p.add_argument("checkpoint", type=Path, metavar="CHECKPOINT.pt")
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new (or empty) run directory")
     p.add_argument("--data", type=Path, required=True, metavar="DATA_DIR",
@@ -574,10 +536,14 @@ def _add_convert_official(commands) -> None:
     p.add_argument("--span-loss-coef", type=float, default=DEFAULT_SPAN_LOSS,
                    help="span penalty for further training (their --adapt-span-loss) "
                    "[default: %(default)s]")
-    p.set_defaults(run=_convert_official)
 
 
 def _convert_official(args: argparse.Namespace) -> int:
+    """Import a checkpoint of the authors' code as an adaspan run.
+
+    Convert a checkpoint written by the training script of the paper's authors
+    (facebookresearch/adaptive-span, no adaptive input/output or persistent memory) into an
+    adaspan run directory with the same log-probabilities (see docs/official.md)."""
     from .official import convert, describe
 
     config = convert(args.checkpoint, args.out_dir, args.data, args.ramp, args.dropout,
@@ -589,18 +555,32 @@ def _convert_official(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- helpers
 
 
-def _new_run_dir(name: str) -> Path:
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _say(message: str) -> None:
-    print(message, flush=True)
-
-
 def _device(name: str) -> torch.device:
-    from .train import resolve_device
+    from .distributed import resolve_device
 
     return resolve_device(name)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
 
 
 def _rounded(values: dict) -> dict:

@@ -18,12 +18,14 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .analysis import PlotError, flops_per_char, span_summary
-from .checkpoint import RunDirError, atomic_write, load_model
-from .config import ATTENTIONS, ModelConfig
+from .checkpoint import RunDirError, atomic_write, load_model, load_run_config
+from .config import ModelConfig, TrainConfig
 from .data import load_corpus
+from .distributed import resolve_device
 from .evaluate import evaluate
 from .model import SpanLM
-from .train import TrainConfig, load_run_config, resolve_device, train
+from .registry import ATTENTIONS
+from .train import train
 
 SUMMARY_FILE = "train_summary.json"  # written into a method's run directory once trained
 MARKDOWN_FILE = "compare.md"

@@ -1,106 +1,232 @@
-"""Model configuration: one validated dataclass, defaults from the paper's small model."""
+"""Configuration: the model and training dataclasses, validated, with each option's help.
+
+Every field carries its help text (and, for options with a fixed set of values, its
+``choices``) as field metadata: the command line's options and ``--help``, the checking of TOML
+files and of ``KEY=VALUE`` overrides (:mod:`adaspan.presets`) are generated from these classes.
+Defaults are the paper's small model and its training recipe (§3).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+import math
+from collections.abc import Callable, Collection
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from typing import Any, ClassVar
 
-ATTENTIONS = ("fixed", "adaptive", "dynamic", "vanilla", "xl", "factorized")
+from .distributed import DEVICE
+from .registry import ATTENTIONS
+
 TRUNCATIONS = ("head", "layer", "none")
 POSITION_TABLES = ("model", "layer")
+OPTIMIZERS = ("adagrad", "adamw")
+CLIP_MODES = ("per-tensor-lr", "global")
+DTYPES = ("float32", "bfloat16")
 
 
-@dataclass
-class ModelConfig:
-    """Hyper-parameters of :class:`adaspan.SpanLM` (paper defaults: small text8 model, §3).
+def option(default: Any, help: str, *, choices: Collection[str] | None = None,
+           fixed_on_resume: bool = False) -> Any:
+    """A dataclass field with its help text; ``choices`` lists its allowed values (a live
+    collection, read when validating); ``fixed_on_resume``: a resumed run must keep it."""
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            "fixed_on_resume": fixed_on_resume})
 
-    ``attention`` picks the span type: ``fixed`` (every head sees ``max_span`` tokens),
-    ``adaptive`` (one learned span per head) or ``dynamic`` (span predicted per token); the
-    baselines of :mod:`adaspan.baselines` are ``vanilla`` (fixed span inside the block, no cache),
-    ``xl`` (Transformer-XL) and ``factorized`` (Sparse Transformer "fixed" pattern with stride
-    ``factorized_stride`` and ``factorized_c`` summary positions).
-    ``truncation`` picks how computation follows the spans: ``head`` groups heads by span and
-    each group reads only the keys it can see; ``layer`` uses the longest head of the layer for
-    all heads; ``none`` always reads ``max_span`` keys (reference, slowest).
-    ``position_table`` ``model`` keeps one table of relative position embeddings p_d (S x
-    d_head) for every head of every layer, as the paper (§3: "a single set of position
-    embeddings"); ``layer`` gives each layer its own (how runs of adaspan 0.1 were built).
-    """
 
-    vocab_size: int = 256
-    d_model: int = 512
-    n_heads: int = 8
-    n_layers: int = 12
-    d_inner: int = 2048
-    dropout: float = 0.3
-    attention: str = "adaptive"
-    max_span: int = 8192  # S
-    ramp: int = 32  # R, width of the soft mask's ramp
-    span_init: float = 0.0  # z' at initialisation (z = S * z')
-    span_loss_coef: float = 0.5e-6  # lambda (paper: 2e-6, 0.5e-6 when S = 8192)
-    dynamic_bias_init: float = -4.0  # b of the dynamic span
-    span_bucket: int = 64  # key windows are rounded up to a multiple of this
-    truncation: str = "head"
-    position_table: str = "model"
-    factorized_stride: int = 128  # l of the Sparse Transformer "fixed" pattern
-    factorized_c: int = 8  # c: summary positions per stride block (per A(2) head)
+class Options:
+    """What both configurations share: dict round trip, help, validation helpers."""
 
-    def __post_init__(self) -> None:
-        positive = ("vocab_size", "d_model", "n_heads", "n_layers", "d_inner", "max_span")
-        for name in positive:
-            _require(name, getattr(self, name), lambda v: isinstance(v, int) and v > 0,
-                     "a positive integer")
-        _require("d_model", self.d_model, lambda v: v % self.n_heads == 0,
-                 f"divisible by n_heads={self.n_heads}")
-        _require("ramp", self.ramp, lambda v: isinstance(v, int) and v >= 2,
-                 "an integer >= 2")
-        _require("span_bucket", self.span_bucket, lambda v: isinstance(v, int) and v >= 1,
-                 "a positive integer")
-        _require("dropout", self.dropout, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
-        _require("span_init", self.span_init, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
-        _require("span_loss_coef", self.span_loss_coef, lambda v: v >= 0.0, ">= 0")
-        _require("attention", self.attention, lambda v: v in ATTENTIONS,
-                 f"one of {', '.join(ATTENTIONS)}")
-        _require("truncation", self.truncation, lambda v: v in TRUNCATIONS,
-                 f"one of {', '.join(TRUNCATIONS)}")
-        _require("position_table", self.position_table, lambda v: v in POSITION_TABLES,
-                 f"one of {', '.join(POSITION_TABLES)}")
-        _require("factorized_stride", self.factorized_stride,
-                 lambda v: isinstance(v, int) and v > 0, "a positive integer")
-        _require("factorized_c", self.factorized_c,
-                 lambda v: isinstance(v, int) and 0 < v <= self.factorized_stride,
-                 f"an integer in [1, factorized_stride={self.factorized_stride}]")
-        if self.attention == "factorized":  # both head types, and A(1) blocks inside the window
-            _require("n_heads", self.n_heads, lambda v: v >= 2, ">= 2 for factorized attention")
-            _require("max_span", self.max_span, lambda v: v >= self.factorized_stride,
-                     f">= factorized_stride={self.factorized_stride} for factorized attention")
-
-    @property
-    def d_head(self) -> int:
-        return self.d_model // self.n_heads
+    section: ClassVar[str]
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> ModelConfig:
+    def from_dict(cls, values: dict) -> Any:
         """Build from a mapping, rejecting unknown keys with a clear error."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(f"unknown model option(s): {', '.join(unknown)}")
+            raise ValueError(f"unknown {cls.section} option(s): {', '.join(unknown)}")
         return cls(**values)
 
+    @classmethod
+    def help(cls, item: Field) -> str:
+        """One line: what the option does, its choices and its default."""
+        text = item.metadata["help"]
+        if item.metadata["choices"] is not None:
+            text += f" ({' | '.join(item.metadata['choices'])})"
+        return text if item.default is MISSING else f"{text} [default: {item.default}]"
 
-def require(field: str, value: object, ok: Callable[[object], object], what: str) -> None:
-    """Raise ``ValueError("<field> must be <what>, got <value>")`` unless ``ok(value)``."""
+    def _check_choices(self) -> None:
+        for item in fields(self):
+            choices = item.metadata["choices"]
+            if choices is not None:
+                self._require(item.name, lambda v, c=choices: v in c,
+                              f"one of {', '.join(choices)}")
+
+    def _require(self, name: str, ok: Callable[[Any], object], what: str) -> None:
+        require(f"{type(self).__name__}.{name}", getattr(self, name), ok, what)
+
+
+@dataclass
+class ModelConfig(Options):
+    """Hyper-parameters of :class:`adaspan.SpanLM` (paper defaults: small text8 model, §3).
+
+    ``attention`` names a registered variant (:data:`adaspan.registry.ATTENTIONS`): ``fixed``
+    (every head sees ``max_span`` tokens), ``adaptive`` (one learned span per head) or
+    ``dynamic`` (span predicted per token), and the baselines of :mod:`adaspan.baselines`.
+    ``truncation`` picks how computation follows the spans: ``head`` groups heads by span and
+    each group reads only the keys it can see; ``layer`` uses the longest head of the layer for
+    all heads; ``none`` always reads ``max_span`` keys (reference, slowest).
+    """
+
+    section: ClassVar[str] = "model"
+
+    vocab_size: int = option(256, "size of the byte vocabulary (256: every corpus is read as "
+                             "bytes)")
+    d_model: int = option(512, "hidden size d (paper: 512 small, 768 large)")
+    n_heads: int = option(8, "attention heads per layer M (paper: 8)")
+    n_layers: int = option(12, "number of layers (paper: 12 small, 24 large)")
+    d_inner: int = option(2048, "feed-forward ReLU width (paper: 2048 small, 4096 large)")
+    dropout: float = option(0.3, "dropout on attention weights and ReLU activations "
+                            "(paper: 0.3 small, 0.4 large)")
+    attention: str = option("adaptive", "attention variant (paper: adaptive)",
+                            choices=ATTENTIONS.keys())
+    max_span: int = option(8192, "span limit S, in tokens (paper: 512 to 8192)")
+    ramp: int = option(32, "width R of the soft mask's ramp (paper: 32)")
+    span_init: float = option(0.0, "initial z' of adaptive spans, z = S z' (paper: 0)")
+    span_loss_coef: float = option(0.5e-6, "lambda of the span penalty lambda/M sum z "
+                                   "(paper: 2e-6; 0.5e-6 at S=8192)")
+    dynamic_bias_init: float = option(-4.0, "initial bias b of dynamic spans "
+                                      "z_t = S sigmoid(v.x_t + b) (paper: -4)")
+    span_bucket: int = option(64, "key windows are rounded up to a multiple of this")
+    truncation: str = option("head", "keys read: per-head windows | the longest head of the "
+                             "layer | always max_span", choices=TRUNCATIONS)
+    position_table: str = option("model", "one p_d table for all layers (paper) | one per "
+                                 "layer (adaspan 0.1)", choices=POSITION_TABLES)
+    factorized_stride: int = option(128, "stride l of the factorized (Sparse Transformer) "
+                                    "pattern (seed: 128, 256)")
+    factorized_c: int = option(8, "summary positions c per stride of the factorized pattern "
+                               "(seed: 8, 16, 32)")
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_inner", "max_span",
+                     "span_bucket", "factorized_stride"):
+            self._require(name, lambda v: _is_int(v) and v > 0, "a positive integer")
+        self._require("d_model", lambda v: v % self.n_heads == 0,
+                      f"divisible by n_heads={self.n_heads}")
+        self._require("ramp", lambda v: _is_int(v) and v >= 2, "an integer >= 2")
+        self._require("dropout", lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+        self._require("span_init", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        self._require("span_loss_coef", lambda v: v >= 0.0, ">= 0")
+        self._check_choices()
+        self._require("factorized_c", lambda v: _is_int(v) and 0 < v <= self.factorized_stride,
+                      f"an integer in [1, factorized_stride={self.factorized_stride}]")
+        if self.attention == "factorized":  # both head types, and A(1) blocks inside the window
+            self._require("n_heads", lambda v: v >= 2, ">= 2 for factorized attention")
+            self._require("max_span", lambda v: v >= self.factorized_stride,
+                          f">= factorized_stride={self.factorized_stride} for factorized "
+                          "attention")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class TrainConfig(Options):
+    """How to train (defaults: the paper's small models, §3).
+
+    ``clip_mode`` ``per-tensor-lr`` is how the paper's authors clip (their released trainer):
+    each parameter tensor's step is scaled by min(1, clip / ||g||) while the optimiser's state
+    sees the raw gradient; ``global`` scales all gradients together so that their joint norm is
+    at most ``clip``. ``batch_split`` processes the batch as that many slices of streams,
+    accumulating gradients (same result, less memory).
+    """
+
+    section: ClassVar[str] = "train"
+
+    data: str = option("kjv", "corpus: kjv (bundled, default) | enwik8 | text8 | a text file "
+                       "or directory", fixed_on_resume=True)
+    data_dir: str | None = option(None, "where enwik8/text8 are cached (default: $ADASPAN_DATA "
+                                  "or ~/.cache/adaspan)")
+    batch_size: int = option(64, "parallel streams per step (paper: 64)", fixed_on_resume=True)
+    block_size: int = option(512, "characters per stream per step (paper: 512)",
+                             fixed_on_resume=True)
+    steps: int = option(900_000, "optimiser steps (paper: 600k; 900k at S=8192)")
+    optimizer: str = option("adagrad", "optimiser (paper: adagrad)", choices=OPTIMIZERS,
+                            fixed_on_resume=True)
+    lr: float = option(0.07, "learning rate after warm-up (paper: 0.07)", fixed_on_resume=True)
+    warmup: int = option(32_000, "steps of linear warm-up from 0 (paper: 32k)",
+                         fixed_on_resume=True)
+    clip: float = option(0.03, "gradient clipping threshold; 0 = off (paper: 0.03)")
+    clip_mode: str = option("per-tensor-lr", "each tensor's step times min(1, clip/|g|), the "
+                            "authors' | joint gradient norm <= clip", choices=CLIP_MODES)
+    weight_decay: float = option(0.0, "AdamW weight decay, matrices only (paper: none)",
+                                 fixed_on_resume=True)
+    lr_drop_steps: int = option(0, "final steps run at lr * lr_drop_factor (paper, large "
+                                "models: 20k)")
+    lr_drop_factor: float = option(0.1, "learning-rate factor for the final steps (paper: 0.1)")
+    batch_split: int = option(1, "process the batch in this many slices (same update, less "
+                              "memory)")
+    seed: int = option(1234, "random seed")
+    device: str = option("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when available)")
+    dtype: str = option("float32", "bfloat16 runs the forward pass under autocast",
+                        choices=DTYPES)
+    eval_interval: int = option(1000, "steps between validations")
+    eval_chars: int = option(5_000_000, "each validation scores the first N characters of the "
+                             "valid split")
+    log_interval: int = option(100, "steps between log lines and metrics records")
+    checkpoint_interval: int = option(1000, "steps between checkpoints")
+    keep_last: int = option(0, "also keep the last K checkpoints in RUN_DIR/checkpoints/step-N "
+                            "(0: only the latest, in RUN_DIR)")
+    time_budget: float | None = option(None, "stop cleanly (with a checkpoint) after this many "
+                                       "seconds of this call")
+    tensorboard: bool = option(True, "also write TensorBoard logs under RUN_DIR/tb "
+                               "(true | false)")
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "block_size", "steps", "batch_split", "eval_interval",
+                     "eval_chars", "log_interval", "checkpoint_interval"):
+            self._require(name, lambda v: _is_int(v) and v > 0, "a positive integer")
+        for name in ("warmup", "seed", "lr_drop_steps", "keep_last"):
+            self._require(name, lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+        self._require("lr_drop_steps", lambda v: v <= self.steps, f"<= steps={self.steps}")
+        self._require("batch_size", lambda v: v % self.batch_split == 0,
+                      f"divisible by batch_split={self.batch_split}")
+        for name in ("lr", "lr_drop_factor"):
+            self._require(name, lambda v: _is_number(v) and v > 0, "a number > 0")
+        for name in ("clip", "weight_decay"):
+            self._require(name, lambda v: _is_number(v) and v >= 0, "a number >= 0")
+        self._require("data", lambda v: isinstance(v, str) and v, "a corpus name or path")
+        self._require("data_dir", lambda v: v is None or isinstance(v, str),
+                      "a directory or None")
+        self._check_choices()
+        self._require("device", lambda v: DEVICE.fullmatch(v), "auto, cpu, cuda or cuda:N")
+        self._require("time_budget", lambda v: v is None or (_is_number(v) and v > 0),
+                      "a number of seconds > 0, or None")
+        self._require("tensorboard", lambda v: isinstance(v, bool), "true or false")
+
+    @classmethod
+    def fixed_on_resume(cls) -> list[str]:
+        """Options a resumed run must keep: they define the data stream and optimiser state."""
+        return [item.name for item in fields(cls) if item.metadata["fixed_on_resume"]]
+
+
+SECTIONS: dict[str, type[Options]] = {"model": ModelConfig, "train": TrainConfig}
+
+
+def require(name: str, value: object, ok: Callable[[Any], object], what: str) -> None:
+    """Raise ``ValueError("<name> must be <what>, got <value>")`` unless ``ok(value)``."""
     try:
         valid = bool(ok(value))
     except TypeError:
         valid = False
     if not valid:
-        raise ValueError(f"{field} must be {what}, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
-def _require(name: str, value: object, ok: Callable[[object], object], what: str) -> None:
-    require(f"ModelConfig.{name}", value, ok, what)
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

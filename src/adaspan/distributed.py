@@ -1,8 +1,10 @@
-"""This process's place in a ``torchrun`` job, and the collective operations training needs."""
+"""Where training runs: the device, this process's place in a ``torchrun`` job, and the
+collective operations training needs."""
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +34,13 @@ class Distributed:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def share(self, batch_size: int) -> int:
+        """How many of the ``batch_size`` streams each rank trains."""
+        return batch_size // self.world_size
+
     def rows(self, batch_size: int) -> slice:
         """This rank's contiguous share of the streams."""
-        share = batch_size // self.world_size
+        share = self.share(batch_size)
         return slice(self.rank * share, (self.rank + 1) * share)
 
     def barrier(self) -> None:
@@ -63,3 +69,18 @@ class Distributed:
         gathered = [None] * self.world_size if self.is_main else None
         torch_dist.gather_object(obj, gathered, dst=0)
         return gathered or []
+
+
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device ``name`` (auto, cpu, cuda or cuda:N); plain ``cuda`` means GPU
+    ``local_rank``."""
+    if not DEVICE.fullmatch(name):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here; use cpu")
+    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from .model import SpanLM
 
 
-def generate(
-    model: SpanLM,
-    prompt: bytes,
-    length: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    generator: torch.Generator | None = None,
-) -> bytes:
-    """Continue ``prompt`` by ``length`` bytes sampled from the model (all of :func:`stream`)."""
-    return bytes(stream(model, prompt, length, temperature, top_k, generator))
+def generate(model: SpanLM, prompt: bytes, length: int, **sampling: Any) -> bytes:
+    """Continue ``prompt`` by ``length`` bytes sampled from the model: all of :func:`stream`,
+    with its ``temperature``, ``top_k`` and ``generator``."""
+    return bytes(stream(model, prompt, length, **sampling))
 
 
 def stream(

@@ -12,37 +12,16 @@ block by block::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import SpanAttention
-from .baselines import FactorizedAttention, VanillaAttention, XLAttention
-from .cache import KeyValueCache
+from . import attention, baselines  # noqa: F401 (importing them registers the built-in variants)
+from .cache import Cache, KeyValueCache
 from .config import ModelConfig
-from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span
-
-Cache = list[Tensor | KeyValueCache]
-
-
-def _span_attention(span: Callable[[ModelConfig], Span]) -> Callable[[ModelConfig], nn.Module]:
-    return lambda c: SpanAttention(c, span(c))
-
-
-# Attention variants by ``ModelConfig.attention``: each maps a config to a module with
-# ``forward(x, cache) -> (y, new_cache)`` and a ``span`` (see :class:`adaspan.span.Span`).
-ATTENTION_TYPES: dict[str, Callable[[ModelConfig], nn.Module]] = {
-    "fixed": _span_attention(lambda c: FixedSpan(c.n_heads, c.max_span, c.ramp)),
-    "adaptive": _span_attention(
-        lambda c: AdaptiveSpan(c.n_heads, c.max_span, c.ramp, init=c.span_init)),
-    "dynamic": _span_attention(
-        lambda c: DynamicSpan(c.n_heads, c.max_span, c.ramp, c.d_model, c.dynamic_bias_init)),
-    "vanilla": VanillaAttention,
-    "xl": XLAttention,
-    "factorized": FactorizedAttention,
-}
+from .registry import ATTENTIONS
 
 
 class FeedForward(nn.Module):
@@ -63,7 +42,7 @@ class Layer(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.attn = ATTENTION_TYPES[config.attention](config)
+        self.attn = ATTENTIONS[config.attention](config)
         self.norm1 = nn.LayerNorm(config.d_model)
         self.ff = FeedForward(config)
         self.norm2 = nn.LayerNorm(config.d_model)

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .checkpoint import WEIGHTS_FILE, RunDirError, atomic_write, save_config
-from .config import ModelConfig
+from .config import ModelConfig, TrainConfig
 from .model import SpanLM
 
 VOCAB_FILE = "vocab.json"
@@ -264,8 +264,6 @@ def convert(
 ) -> ModelConfig:
     """Write the adaspan run ``out_dir`` (config, weights, ``vocab.json``) of the authors'
     ``checkpoint`` trained on ``data_dir``; return the model's configuration."""
-    from .train import TrainConfig
-
     state, step = read_checkpoint(checkpoint)
     config = infer_config(state, ramp, dropout, span_loss_coef)
     weights = convert_state(state, config)

@@ -19,8 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .config import ModelConfig
-from .train import TrainConfig
+from .config import SECTIONS, ModelConfig, TrainConfig
 
 
 def _paper(model: dict, train: dict, description: str) -> dict:
@@ -49,10 +48,15 @@ _CPU_TRAIN = {"data": "kjv", "optimizer": "adamw", "lr": 3e-3, "clip": 1.0, "cli
               "weight_decay": 0.01}
 
 
-def _cpu(model: dict, train: dict, description: str) -> dict:
-    """A preset with the CPU recipe above."""
+def _cpu(model: dict, steps: int, batch: tuple[int, int], warmup: int, every: int, log: int,
+         eval_chars: int, description: str) -> dict:
+    """A preset with the CPU recipe above: ``steps`` of ``batch`` (streams, block size), with
+    validation and a checkpoint ``every`` steps, a log line every ``log`` steps."""
+    schedule = {"batch_size": batch[0], "block_size": batch[1], "steps": steps,
+                "warmup": warmup, "eval_interval": every, "checkpoint_interval": every,
+                "log_interval": log, "eval_chars": eval_chars}
     return {"description": description, "model": {**_CPU_MODEL, **model},
-            "train": {**_CPU_TRAIN, **train}}
+            "train": {**_CPU_TRAIN, **schedule}}
 
 
 PRESETS: dict[str, dict] = {
@@ -73,22 +77,15 @@ PRESETS: dict[str, dict] = {
     ),
     "cpu-small": _cpu(
         {"n_layers": 4, "d_model": 256, "d_inner": 1024, "max_span": 1024},
-        {"batch_size": 16, "block_size": 128, "steps": 2500, "warmup": 200,
-         "eval_interval": 250, "eval_chars": 65_536, "log_interval": 50,
-         "checkpoint_interval": 250},
-        "4-layer model for a 2-core CPU, ~20 minutes (bundled King James Bible)",
+        steps=2500, batch=(16, 128), warmup=200, every=250, log=50, eval_chars=65_536,
+        description="4-layer model for a 2-core CPU, ~20 minutes (bundled King James Bible)",
     ),
     "demo": _cpu(
         {"n_layers": 3, "d_model": 192, "d_inner": 768, "max_span": 512},
-        {"batch_size": 8, "block_size": 64, "steps": 2400, "warmup": 100,
-         "eval_interval": 400, "eval_chars": 16_384, "log_interval": 100,
-         "checkpoint_interval": 400},
-        "3-layer model trained for ~4 minutes on a CPU (bundled King James Bible)",
+        steps=2400, batch=(8, 64), warmup=100, every=400, log=100, eval_chars=16_384,
+        description="3-layer model trained for ~4 minutes on a CPU (bundled King James Bible)",
     ),
 }
-
-SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig}
-
 
 def resolve_config(
     preset: str | None = None,

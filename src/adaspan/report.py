@@ -11,8 +11,7 @@ import base64
 import html
 import json
 import re
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 from . import analysis
 from .config import ModelConfig
+from .memory import step_peak_memory
 from .model import SpanLM
 
 REPORT_FILE = "report.html"
@@ -76,53 +76,6 @@ def memory_curves(config: ModelConfig, spans: list[list[float]] | None, limits: 
     return curves
 
 
-def step_peak_memory(model: SpanLM, batch_size: int, block_size: int) -> int:
-    """Bytes allocated at the peak of one training step (forward, span penalty, backward) from
-    an empty cache (padded to each layer's window, so the window is full), beyond what was
-    allocated before the step (the weights): on CUDA from the allocator's peak counter, on CPU
-    from the profiler's allocation events (:func:`profiled_peak`)."""
-    device = model.embed.weight.device
-    seed = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (batch_size, block_size + 1),
-                           generator=seed).to(device)
-    model.train()
-    model.zero_grad(set_to_none=True)
-
-    def step() -> None:
-        log_probs, _ = model(tokens[:, :-1], model.empty_cache(batch_size))
-        nll = -log_probs.gather(-1, tokens[:, 1:, None]).mean()
-        (nll + model.span_loss()).backward()
-
-    if device.type != "cuda":
-        return profiled_peak(step)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
-
-
-def profiled_peak(fn: Callable[[], object]) -> int:
-    """Peak of the running sum of the CPU allocations (+) and frees (-) that ``fn`` makes, in
-    bytes, from the allocation events of ``torch.profiler`` (``profile_memory=True``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as folder:
-        trace = Path(folder) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    memory = sorted((e for e in events if e.get("name") == "[memory]"
-                     and e["args"].get("Device Type", 0) == 0), key=lambda e: e["ts"])
-    total = peak = 0
-    for event in memory:
-        total += event["args"]["Bytes"]
-        peak = max(peak, total)
-    return peak
-
-
 def cost_curves(config: ModelConfig, spans: list[list[float]] | None, limits: Sequence[int],
                 block_size: int, device: torch.device | None = None) -> dict:
     """The numbers of the Figure 3 panel: ``limits``, and per curve ``flops`` (per character)
@@ -159,7 +112,8 @@ def default_text(saved: dict) -> str:
     """About ``TEXT_CHARS`` characters of the run corpus's valid split, from its first capital
     letter that starts a line or a sentence to a word end; a fixed sentence if the corpus is not
     at hand (a benchmark not downloaded is not fetched)."""
-    from .data import BENCHMARKS, DataError, data_dir, load_corpus
+    from .data import load_corpus
+    from .download import BENCHMARKS, DataError, data_dir
 
     spec, folder = saved["train"]["data"], saved["train"].get("data_dir")
     if spec in BENCHMARKS and not (data_dir(folder) / spec / BENCHMARKS[spec].member).exists():

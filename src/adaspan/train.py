@@ -13,14 +13,14 @@ streams and gradients are averaged with DistributedDataParallel; only rank 0 wri
 from __future__ import annotations
 
 import math
+import os
 import random
-import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,116 +31,26 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from .cache import fit_cache
+from .cache import StreamCache
 from .checkpoint import (
     RunDirError,
     TrainingState,
+    archive_checkpoint,
     has_checkpoint,
     load_training_state,
-    read_config,
+    prepare_run_dir,
+    remove_temporaries,
     rng_state,
     save_checkpoint,
     save_config,
 )
-from .config import ModelConfig, require
-from .data import BlockStream, Corpus, load_corpus
-from .distributed import Distributed
+from .config import ModelConfig, TrainConfig
+from .data import BlockStream, Corpus, load_corpus, resolve_data
+from .distributed import Distributed, resolve_device
 from .evaluate import evaluate
+from .memory import GB, available_memory, estimate_training_memory
 from .metrics import MetricsLog
-from .model import Cache, SpanLM
-
-OPTIMIZERS = ("adagrad", "adamw")
-CLIP_MODES = ("global", "per-tensor-lr")
-DTYPES = ("float32", "bfloat16")
-# Train options a resumed run must keep: they define the data stream and the optimiser state.
-RESUME_FIXED = ("data", "batch_size", "block_size", "optimizer", "lr", "warmup", "weight_decay")
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-@dataclass
-class TrainConfig:
-    """How to train (defaults: the paper's small models, §3).
-
-    ``clip`` bounds the gradients (0: no clipping). ``clip_mode`` ``per-tensor-lr`` is how the
-    paper's authors clip (their released trainer): each parameter tensor's step is scaled by
-    min(1, clip / ||g||) while the optimiser's state sees the raw gradient; ``global`` scales
-    all gradients together so that their joint norm is at most ``clip``. ``batch_split`` processes
-    the batch as that many slices of streams, accumulating gradients (same result, less
-    memory). ``device`` is auto, cpu, cuda or cuda:N; ``dtype`` bfloat16 runs the forward pass
-    under autocast. ``time_budget`` (seconds of this call) stops training cleanly with a
-    checkpoint.
-    """
-
-    data: str = "kjv"
-    data_dir: str | None = None
-    batch_size: int = 64
-    block_size: int = 512
-    steps: int = 900_000
-    optimizer: str = "adagrad"
-    lr: float = 0.07
-    warmup: int = 32_000
-    clip: float = 0.03
-    clip_mode: str = "per-tensor-lr"
-    weight_decay: float = 0.0
-    lr_drop_steps: int = 0
-    lr_drop_factor: float = 0.1
-    batch_split: int = 1
-    seed: int = 1234
-    device: str = "auto"
-    dtype: str = "float32"
-    eval_interval: int = 1000
-    eval_chars: int = 5_000_000
-    log_interval: int = 100
-    checkpoint_interval: int = 1000
-    time_budget: float | None = None
-    tensorboard: bool = True
-
-    def __post_init__(self) -> None:
-        positive = ("batch_size", "block_size", "steps", "batch_split", "eval_interval",
-                    "eval_chars", "log_interval", "checkpoint_interval")
-        for name in positive:
-            self._require(name, lambda v: _is_int(v) and v > 0, "a positive integer")
-        for name in ("warmup", "seed", "lr_drop_steps"):
-            self._require(name, lambda v: _is_int(v) and v >= 0, "an integer >= 0")
-        self._require("lr_drop_steps", lambda v: v <= self.steps, f"<= steps={self.steps}")
-        self._require("batch_size", lambda v: v % self.batch_split == 0,
-                      f"divisible by batch_split={self.batch_split}")
-        for name in ("lr", "lr_drop_factor"):
-            self._require(name, lambda v: _is_number(v) and v > 0, "a number > 0")
-        for name in ("clip", "weight_decay"):
-            self._require(name, lambda v: _is_number(v) and v >= 0, "a number >= 0")
-        self._require("data", lambda v: isinstance(v, str) and v, "a corpus name or path")
-        self._require("data_dir", lambda v: v is None or isinstance(v, str),
-                      "a directory or None")
-        self._require("optimizer", lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}")
-        self._require("clip_mode", lambda v: v in CLIP_MODES, f"one of {', '.join(CLIP_MODES)}")
-        self._require("dtype", lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}")
-        self._require("device", lambda v: _DEVICE.fullmatch(v), "auto, cpu, cuda or cuda:N")
-        self._require("time_budget", lambda v: v is None or (_is_number(v) and v > 0),
-                      "a number of seconds > 0, or None")
-        self._require("tensorboard", lambda v: isinstance(v, bool), "true or false")
-
-    def _require(self, name: str, ok: Callable[[object], object], what: str) -> None:
-        require(f"TrainConfig.{name}", getattr(self, name), ok, what)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> TrainConfig:
-        """Build from a mapping, rejecting unknown keys with a clear error."""
-        unknown = sorted(set(values) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown train option(s): {', '.join(unknown)}")
-        return cls(**values)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+from .model import SpanLM
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -192,45 +102,16 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """The device named by ``TrainConfig.device``; plain ``cuda`` means GPU ``local_rank``."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"TrainConfig.device is {name!r} but CUDA is not available; use cpu")
-    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
-
-
-def load_run_config(run_dir: str | Path) -> tuple[ModelConfig, TrainConfig]:
-    """The model and train configurations saved in ``run_dir``."""
-    saved = read_config(run_dir)
-    return ModelConfig.from_dict(saved["model"]), TrainConfig.from_dict(saved["train"])
-
-
-def merge_rows(parts: list[Cache]) -> Cache:
-    """Caches of consecutive groups of streams joined into one (rows in order).
-
-    Shorter caches are left-padded with zeros, which the model reads exactly as missing history.
-    """
-    if len(parts) == 1:
-        return parts[0]
-    merged = []
-    for layers in zip(*parts, strict=True):
-        length = max(layer.shape[1] for layer in layers)
-        merged.append(torch.cat([fit_cache(layer, length) for layer in layers]))
-    return merged
-
-
 def train_step(
     model: SpanLM,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     x: Tensor,
     y: Tensor,
-    cache: Cache,
+    cache: StreamCache,
     config: TrainConfig,
     net: torch.nn.Module | None = None,
-) -> tuple[float, Cache]:
+) -> tuple[float, StreamCache]:
     """One optimiser step on the block ``x`` -> ``y``; returns the mean NLL (nats) and new cache.
 
     The streams are processed in ``config.batch_split`` slices, each with its own cache rows;
@@ -248,12 +129,12 @@ def train_step(
         last = k == slices - 1
         with nullcontext() if last or net is model else net.no_sync():
             with torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
-                log_probs, part_cache = net(x[part], [layer[part] for layer in cache])
+                log_probs, part_cache = net(x[part], cache.rows(part).layers)
                 nll = F.nll_loss(log_probs.flatten(0, 1).float(), y[part].flatten())
                 loss = (nll + model.span_loss()) / slices
             loss.backward()
         nll_total += nll.item() / slices
-        parts.append(part_cache)
+        parts.append(StreamCache(part_cache))
     if config.clip > 0 and config.clip_mode == "per-tensor-lr":
         step_with_tensor_clip(optimizer, config.clip)
     else:
@@ -262,7 +143,7 @@ def train_step(
         optimizer.step()
     model.clamp_spans()
     scheduler.step()
-    return nll_total, merge_rows(parts)
+    return nll_total, StreamCache.merge(parts)
 
 
 def train(
@@ -276,13 +157,17 @@ def train(
     """Train a model in ``run_dir`` (or continue the run there when ``resume``).
 
     Writes checkpoints every ``checkpoint_interval`` steps and when training ends, runs out of
-    ``time_budget``, or is interrupted with Ctrl-C (the step under way is finished, saved, and
-    KeyboardInterrupt re-raised; a second Ctrl-C aborts at once). ``log`` receives one line per
+    ``time_budget``, or is interrupted by SIGINT (Ctrl-C) or SIGTERM (the step under way is
+    finished and saved, then :class:`Interrupted` is raised; a second signal aborts at once).
+    A run directory whose run stopped before its first checkpoint resumes from step 0.
+    Temporary files of an interrupted save are removed. ``log`` receives one line per
     logged step (default: printed above the progress bar). Returns a summary: ``steps``,
     ``train_bpc``, ``valid_bpc``, ``chars_per_s``, ``avg_span``, ``max_span``, ``spans``,
     ``elapsed`` and ``stopped`` ("completed" or "time_budget").
     """
     dist = Distributed.from_env()
+    train_config = replace(train_config, data=resolve_data(train_config.data), data_dir=(
+        None if train_config.data_dir is None else resolve_data(train_config.data_dir)))
     owns_group = dist.active and not torch_dist.is_initialized()
     device = resolve_device(train_config.device, dist.local_rank)
     if owns_group:
@@ -290,15 +175,131 @@ def train(
             torch.cuda.set_device(device)
         torch_dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        return _Run(model_config, train_config, Path(run_dir), resume, device, dist,
-                    progress and dist.is_main, log if dist.is_main else _silent).run()
+        setup = build_run(model_config, train_config, Path(run_dir), resume, device, dist,
+                          progress and dist.is_main)
+        return _Loop(setup, log if dist.is_main else _silent).run()
     finally:
         if owns_group:
             torch_dist.destroy_process_group()
 
 
+class Interrupted(KeyboardInterrupt):
+    """Training stopped by a signal after saving a checkpoint; ``signum`` is the signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
 def _silent(message: str) -> None:
     """Discard ``message``: only rank 0 logs."""
+
+
+@dataclass
+class Run:
+    """What a training call works with: its data, model, optimiser and where it stands."""
+
+    config: TrainConfig
+    run_dir: Path
+    device: torch.device
+    dist: Distributed
+    progress: bool
+    corpus: Corpus
+    model: SpanLM
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    state: TrainingState
+    memory: str  # the estimated peak memory of a step, and the memory available
+    net: torch.nn.Module = field(init=False)  # the model, wrapped for distributed training
+
+    def __post_init__(self) -> None:
+        self.net = self.model
+        if self.dist.active:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.net = DistributedDataParallel(self.model, device_ids=device_ids)
+
+
+def build_run(
+    model_config: ModelConfig,
+    config: TrainConfig,
+    run_dir: Path,
+    resume: bool,
+    device: torch.device,
+    dist: Distributed,
+    progress: bool,
+) -> Run:
+    """Check the run directory, seed, load the corpus, build model and optimiser, and restore
+    the checkpoint (``resume``) or write the new run's configuration."""
+    if config.batch_size % (dist.world_size * config.batch_split):
+        raise ValueError(
+            f"TrainConfig.batch_size={config.batch_size} must be divisible by "
+            f"{dist.world_size} processes x batch_split={config.batch_split}"
+        )
+    prepare_run_dir(run_dir, model_config, config, resume)
+    dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
+    if dist.is_main and run_dir.is_dir():
+        remove_temporaries(run_dir)
+    _seed_everything(config.seed + dist.rank)
+    corpus = _load_corpus(config, dist, progress)
+    model = SpanLM(model_config).to(device)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config)
+    resuming = resume and has_checkpoint(run_dir)
+    if resuming:
+        state = load_training_state(run_dir, model, optimizer, scheduler, device, dist.rank)
+        if state.step >= config.steps:
+            raise RunDirError(f"{run_dir} is at step {state.step:,}, steps={config.steps:,}: "
+                              "nothing to train; pass a larger steps=N to continue it")
+        for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+            group["lr"] = base_lr * lr_factor(state.step, config)  # steps may have changed
+        state.cache = state.cache.rows(dist.rows(config.batch_size))
+    else:  # a new run, or one stopped before its first checkpoint
+        state = TrainingState(0, 0, _empty_cache(model, config, dist))
+    memory = check_memory(model, config, device, dist)  # before anything is written
+    if dist.is_main and not resuming:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(run_dir, model_config, config)
+    return Run(config, run_dir, device, dist, progress, corpus, model, optimizer, scheduler,
+               state, memory)
+
+
+def check_memory(
+    model: SpanLM, config: TrainConfig, device: torch.device, dist: Distributed
+) -> str:
+    """Estimate the peak memory of a training step (:mod:`adaspan.memory`); refuse with
+    MemoryError when it exceeds what is available, saying what to change. Returns the
+    estimate and the memory available, as one phrase for the log."""
+    streams = dist.share(config.batch_size)
+    estimate = estimate_training_memory(model, config.optimizer, streams // config.batch_split,
+                                        config.block_size)
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
+    available = available_memory(device, 1 if device.type == "cuda" else processes)
+    if estimate.total > available:
+        fits = [k for k in range(config.batch_split, streams + 1) if streams % k == 0
+                and estimate.with_streams(streams // k).total <= available]
+        advice = (f"batch_split={fits[0]} (a step then needs "
+                  f"{estimate.with_streams(streams // fits[0]).total / GB:.1f} GB), "
+                  if fits else "")
+        raise MemoryError(
+            f"a training step needs about {estimate.describe()} at the current spans, but "
+            f"{available / GB:.1f} GB of {device.type} memory are available: set {advice}a "
+            f"smaller block_size or batch_size, or a CPU preset (--preset cpu-small)")
+    return f"~{estimate.total / GB:.2f} GB of {available / GB:.1f} GB available"
+
+
+def _load_corpus(config: TrainConfig, dist: Distributed, progress: bool) -> Corpus:
+    """The corpus, downloaded by rank 0 alone if it is not cached yet."""
+    if not dist.is_main:
+        dist.barrier()
+    corpus = load_corpus(config.data, config.data_dir, progress=progress)
+    if dist.is_main:
+        dist.barrier()
+    return corpus
+
+
+def _empty_cache(model: SpanLM, config: TrainConfig, dist: Distributed) -> StreamCache:
+    """The cache of this rank's streams at the start of the data: no history."""
+    return StreamCache(model.empty_cache(dist.share(config.batch_size)))
 
 
 @dataclass
@@ -321,97 +322,56 @@ class _Window:
         return self.steps * chars_per_step / self.seconds if self.seconds else None
 
 
-class _Run:
-    """One call of :func:`train`: the model, its data and the loop state."""
+class _Loop:
+    """The training loop of one :func:`train` call: steps, records, checkpoints, summary."""
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        config: TrainConfig,
-        run_dir: Path,
-        resume: bool,
-        device: torch.device,
-        dist: Distributed,
-        progress: bool,
-        log: Callable[[str], None],
-    ) -> None:
-        if config.batch_size % (dist.world_size * config.batch_split):
-            raise ValueError(
-                f"TrainConfig.batch_size={config.batch_size} must be divisible by "
-                f"{dist.world_size} processes x batch_split={config.batch_split}"
-            )
-        _check_run_dir(run_dir, model_config, config, resume)
-        dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
-        self.config, self.run_dir, self.device, self.dist = config, run_dir, device, dist
-        self.progress, self.log = progress, log
-        _seed_everything(config.seed + dist.rank)
-        self.corpus = self._load_corpus()
-        self.stream = BlockStream(self.corpus.train, config.batch_size, config.block_size,
-                                  drop_last=True)
-        self.rows = dist.rows(config.batch_size)
-        self.rows_per_rank = config.batch_size // dist.world_size
-        self.chars_per_step = config.batch_size * config.block_size
-        self.model = SpanLM(model_config).to(device)
-        self.optimizer = build_optimizer(self.model, config)
-        self.scheduler = build_scheduler(self.optimizer, config)
-        if resume:
-            self.state = load_training_state(run_dir, self.model, self.optimizer,
-                                             self.scheduler, device, dist.rank)
-            for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
-                                      strict=True):  # the schedule may have changed (steps)
-                group["lr"] = base_lr * lr_factor(self.state.step, config)
-            self.state.cache = [layer[self.rows] for layer in self.state.cache]
-        else:
-            self.state = TrainingState(0, 0, self.model.empty_cache(self.rows_per_rank))
-            if dist.is_main:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                save_config(run_dir, model_config, config)
-        self.net = self.model
-        if dist.active:
-            device_ids = [device.index] if device.type == "cuda" else None
-            self.net = DistributedDataParallel(self.model, device_ids=device_ids)
-        self.metrics = (MetricsLog(run_dir, self.state.step, config.tensorboard)
-                        if dist.is_main else None)
+    def __init__(self, setup: Run, log: Callable[[str], None]) -> None:
+        self.setup, self.log = setup, log
+        self.config, self.state, self.model = setup.config, setup.state, setup.model
+        self.dist, self.device, self.run_dir = setup.dist, setup.device, setup.run_dir
+        self.stream = BlockStream(setup.corpus.train, self.config.batch_size,
+                                  self.config.block_size, drop_last=True)
+        self.rows = self.dist.rows(self.config.batch_size)
+        self.chars_per_step = self.config.batch_size * self.config.block_size
+        self.metrics = (MetricsLog(self.run_dir, self.state.step, self.config.tensorboard)
+                        if self.dist.is_main else None)
         self.window, self.total = _Window(), _Window()  # since the last record / this call
         self.last = {"train_bpc": None, "valid_bpc": None, "lr": None}
+        self.saved_step = self.state.step if self.state.step else None  # last checkpoint
         self.start = time.monotonic()
 
-    def _load_corpus(self) -> Corpus:
-        """The corpus, downloaded by rank 0 alone if it is not cached yet."""
-        if not self.dist.is_main:
-            self.dist.barrier()
-        corpus = load_corpus(self.config.data, self.config.data_dir, progress=self.progress)
-        if self.dist.is_main:
-            self.dist.barrier()
-        return corpus
-
     def run(self) -> dict:
-        """Train until ``steps``, the time budget or Ctrl-C; return the summary."""
+        """Train until ``steps``, the time budget or a signal; return the summary."""
         config, state = self.config, self.state
         self.log(self._describe())
         self.start = time.monotonic()
         stopped = "completed"
         bar = tqdm(total=config.steps, initial=state.step, unit="step", dynamic_ncols=True,
-                   disable=None if self.progress else True)
+                   disable=None if self.setup.progress else True)
         try:
-            with bar, _deferred_interrupt() as interrupted:
+            with bar, _deferred_signals() as received:
                 while state.step < config.steps:
                     self._step()
                     self._show(bar)
                     over_budget = (config.time_budget is not None
                                    and time.monotonic() - self.start > config.time_budget)
-                    over_budget, interrupt = self.dist.agree([over_budget, interrupted()],
-                                                             self.device)
+                    signum = received()
+                    over_budget, sigint, sigterm = self.dist.agree(
+                        [over_budget, signum == signal.SIGINT, signum == signal.SIGTERM],
+                        self.device)
                     done = state.step >= config.steps
-                    self._record_and_save(done or over_budget, interrupt)
-                    if interrupt and not done:
-                        self.log(f"interrupted: checkpoint of step {state.step} saved in "
-                                 f"{self.run_dir}; continue with --resume")
-                        raise KeyboardInterrupt
+                    self._record_and_save(done or over_budget, sigint or sigterm)
+                    if (sigint or sigterm) and not done:
+                        name = "SIGINT" if sigint else "SIGTERM"
+                        raise Interrupted(
+                            f"{name}: checkpoint of step {state.step} saved in {self.run_dir}; "
+                            f"continue with `adaspan train --resume {self.run_dir}`",
+                            signal.SIGINT if sigint else signal.SIGTERM)
                     if over_budget and not done:
                         stopped = "time_budget"
                         self.log(f"time budget of {config.time_budget:g} s used at step "
-                                 f"{state.step}: checkpoint saved; continue with --resume")
+                                 f"{state.step}: checkpoint saved; continue with "
+                                 f"`adaspan train --resume {self.run_dir}`")
                         break
         finally:
             if self.metrics is not None:
@@ -422,22 +382,31 @@ class _Run:
         """Train on the next block; wrap to block 0 with a fresh cache after the last one."""
         state = self.state
         if state.position >= len(self.stream):
-            state.position, state.cache = 0, self.model.empty_cache(self.rows_per_rank)
+            state.position, state.cache = 0, _empty_cache(self.model, self.config, self.dist)
         x, y = (t[self.rows].to(self.device) for t in self.stream.block(state.position))
-        self.last["lr"] = self.optimizer.param_groups[0]["lr"]
+        setup = self.setup
+        self.last["lr"] = setup.optimizer.param_groups[0]["lr"]
         tic = time.monotonic()
-        nll, state.cache = train_step(self.model, self.optimizer, self.scheduler, x, y,
-                                      state.cache, self.config, self.net)
+        nll, state.cache = train_step(self.model, setup.optimizer, setup.scheduler, x, y,
+                                      state.cache, self.config, setup.net)
         seconds = time.monotonic() - tic
-        if not math.isfinite(nll):
-            raise FloatingPointError(
-                f"training loss is {nll} at step {state.step + 1}: lower train.lr or clip "
-                "gradients (train.clip); the run directory keeps its last checkpoint"
-            )
+        self._check_divergence(nll, state.step + 1)
         self.window.add(nll, seconds)
         self.total.add(nll, seconds)
         state.step += 1
         state.position += 1
+
+    def _check_divergence(self, nll: float, step: int) -> None:
+        """Stop when the loss is NaN/inf or far above a uniform guess (2 log2 V bits)."""
+        bits, uniform = nll / math.log(2), math.log2(self.model.config.vocab_size)
+        if math.isfinite(bits) and bits <= 2 * uniform:
+            return
+        kept = (f"the checkpoint of step {self.saved_step} is kept" if self.saved_step
+                else "no checkpoint was written (resume restarts from step 0)")
+        raise FloatingPointError(
+            f"training diverged at step {step}: loss {bits:.4g} bits per character, against "
+            f"{uniform:.0f} for a uniform guess; {kept}; try a lower lr (now "
+            f"{self.config.lr:g}) or stronger clipping (clip={self.config.clip:g})")
 
     def _record_and_save(self, finishing: bool, interrupt: bool) -> None:
         """Log (and validate) or checkpoint when the step calls for it."""
@@ -491,28 +460,33 @@ class _Run:
 
     def _validate(self) -> float:
         """Bits per character on the first ``eval_chars`` of the valid split."""
-        batch_size = self.rows_per_rank // self.config.batch_split
-        result = evaluate(self.model, self.corpus.valid, batch_size=batch_size,
+        batch_size = self.dist.share(self.config.batch_size) // self.config.batch_split
+        result = evaluate(self.model, self.setup.corpus.valid, batch_size=batch_size,
                           block_size=self.config.block_size, max_chars=self.config.eval_chars)
         return result["bpc"]
 
     def _checkpoint(self) -> None:
         """Save on rank 0, with the cache rows and RNG states of every rank."""
-        caches = self.dist.gather([layer.cpu() for layer in self.state.cache])
+        caches = self.dist.gather(self.state.cache.to("cpu"))
         rngs = self.dist.gather(rng_state())
         if self.dist.is_main:
-            save_checkpoint(self.run_dir, self.model, self.optimizer, self.scheduler,
-                            self.state.step, self.state.position, merge_rows(caches),
-                            self.config, elapsed=self._elapsed(), rng=rngs)
+            save_checkpoint(self.run_dir, self.model, self.setup.optimizer,
+                            self.setup.scheduler, self.state.step, self.state.position,
+                            StreamCache.merge(caches), self.config, elapsed=self._elapsed(),
+                            rng=rngs)
+            if self.config.keep_last:
+                archive_checkpoint(self.run_dir, self.state.step, self.config.keep_last)
+        self.saved_step = self.state.step
 
     def _describe(self) -> str:
         config, state = self.config, self.state
         where = f"resuming at step {state.step:,}" if state.step else "starting"
         processes = f" x {self.dist.world_size} processes" if self.dist.active else ""
         return (f"{self.run_dir}: {where}; {self.model.num_parameters():,} parameters, "
-                f"{self.corpus.name} ({len(self.corpus.train):,} train chars), "
+                f"{self.setup.corpus.name} ({len(self.setup.corpus.train):,} train chars), "
                 f"{config.steps:,} steps of {config.batch_size}x{config.block_size} chars, "
-                f"{config.optimizer} lr {config.lr:g}, on {self.device}{processes}")
+                f"{config.optimizer} lr {config.lr:g}, on {self.device}{processes}; memory "
+                f"{self.setup.memory}")
 
     def _summary(self, stopped: str) -> dict:
         avg_span, max_span = self._spans()
@@ -545,29 +519,6 @@ def _format_record(record: dict, steps: int) -> str:
             f"span avg {record['avg_span']:.0f} max {record['max_span']:.0f}")
 
 
-def _check_run_dir(
-    run_dir: Path, model_config: ModelConfig, config: TrainConfig, resume: bool
-) -> None:
-    """Refuse to overwrite a run, or to resume one that is missing or was set up differently."""
-    if not resume:
-        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-            raise RunDirError(f"run directory {run_dir} already exists and is not empty: pass "
-                              "--resume to continue that run, or choose another directory")
-        return
-    if not has_checkpoint(run_dir):
-        raise RunDirError(f"nothing to resume in {run_dir}: it holds no checkpoint (delete it, "
-                          "or choose another directory, to start a new run)")
-    saved = read_config(run_dir)
-    changed = [f"model.{name}={value!r} (saved: {saved['model'].get(name)!r})"
-               for name, value in model_config.to_dict().items()
-               if saved["model"].get(name) != value]
-    changed += [f"train.{name}={getattr(config, name)!r} (saved: {saved['train'].get(name)!r})"
-                for name in RESUME_FIXED if saved["train"].get(name) != getattr(config, name)]
-    if changed:
-        raise RunDirError(f"cannot resume {run_dir} with different settings: "
-                          f"{'; '.join(changed)}")
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -575,21 +526,23 @@ def _seed_everything(seed: int) -> None:
 
 
 @contextmanager
-def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
-    """Turn the first Ctrl-C into a flag checked between steps; a second one interrupts."""
+def _deferred_signals() -> Iterator[Callable[[], int]]:
+    """Turn the first SIGINT or SIGTERM into a value checked between steps (the signal's
+    number; 0 while none came); a second one interrupts at once."""
     if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
+        yield lambda: 0
         return
-    requested = False
+    received = 0
 
     def handler(signum: int, frame: object) -> None:
-        nonlocal requested
-        if requested:
+        nonlocal received
+        if received:
             raise KeyboardInterrupt
-        requested = True
+        received = signum
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield lambda: requested
+        yield lambda: received
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler_before in previous.items():
+            signal.signal(sig, handler_before)

@@ -1,0 +1,93 @@
+"""Builders shared by the test files: tiny models, the registered variants by family, tiny
+training runs. Imported as ``from helpers import ...`` (like ``reference``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from adaspan import ModelConfig, SpanLM, TrainConfig, train
+from adaspan.attention import SpanAttention
+from adaspan.registry import ATTENTIONS
+from adaspan.span import AdaptiveSpan, DynamicSpan
+
+# Spans (in tokens) given to adaptive heads by tiny(): per layer and head, capped at max_span.
+TINY_SPANS = [[10.0, 20.0, 40.0, 64.0], [8.0, 9.0, 33.0, 17.5]]
+
+
+def tiny_config(attention: str = "adaptive", **changes) -> ModelConfig:
+    """A 2-layer model of width 16 (4 heads of 4), S = 64, R = 8, no dropout."""
+    options = dict(vocab_size=32, d_model=16, n_heads=4, n_layers=2, d_inner=32, max_span=64,
+                   ramp=8, dropout=0.0, attention=attention, span_bucket=8,
+                   factorized_stride=16, factorized_c=4)
+    return ModelConfig(**{**options, **changes})
+
+
+def tiny(attention: str = "adaptive", **changes) -> SpanLM:
+    """:func:`tiny_config`'s model in eval mode, seeded; heads made to differ where the span
+    learns: adaptive heads get :data:`TINY_SPANS`, dynamic spans random ``v`` and ``b``."""
+    torch.manual_seed(0)
+    model = SpanLM(tiny_config(attention, **changes))
+    config = model.config
+    for i, layer in enumerate(model.layers):
+        span = layer.attn.span
+        if isinstance(span, AdaptiveSpan):
+            row = TINY_SPANS[i % len(TINY_SPANS)]
+            span.set_spans(torch.tensor([min(row[h % len(row)], config.max_span)
+                                         for h in range(config.n_heads)]))
+        elif isinstance(span, DynamicSpan):
+            with torch.no_grad():
+                span.v.normal_(0, 0.3)
+                span.b.uniform_(-3, 0)
+    return model.eval()
+
+
+def span_attention(kind: str, truncation: str = "head", max_span: int = 48,
+                   **changes) -> SpanAttention:
+    """A standalone layer of the variant ``kind`` (it owns its table of p_d): width 16, 4 heads,
+    R = 8, seeded; adaptive heads get spans 8, 13.5, 30, 44 (capped at S), dynamic spans a
+    random ``v`` and biases -3, -1, 0, 1."""
+    config = ModelConfig(d_model=16, n_heads=4, n_layers=1, d_inner=32, max_span=max_span,
+                         ramp=8, dropout=0.0, attention=kind, truncation=truncation,
+                         span_bucket=8, position_table="layer", **changes)
+    torch.manual_seed(0)
+    attn = ATTENTIONS[kind](config)
+    if isinstance(attn.span, AdaptiveSpan):
+        attn.span.set_spans(torch.tensor([8.0, 13.5, 30.0, 44.0]).clamp(max=max_span))
+    if isinstance(attn.span, DynamicSpan):
+        with torch.no_grad():
+            attn.span.v.normal_(0, 0.5)
+            attn.span.b.copy_(torch.tensor([-3.0, -1.0, 0.0, 1.0]))
+    return attn
+
+
+def span_variants() -> list[str]:
+    """Registered variants built as a plain :class:`SpanAttention` (the paper's span types)."""
+    return [name for name, build in ATTENTIONS.items()
+            if type(build(tiny_config(name))) is SpanAttention]
+
+
+def baseline_variants() -> list[str]:
+    """Registered variants defined in :mod:`adaspan.baselines`."""
+    return [name for name, build in ATTENTIONS.items() if build.__module__ == "adaspan.baselines"]
+
+
+# --- tiny training runs ---------------------------------------------------------------------
+
+TRAIN_MODEL = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
+                          span_bucket=8, span_init=0.3, dropout=0.2)
+
+
+def tiny_train_config(data: str, **changes) -> TrainConfig:
+    """8 steps of 4 x 32 characters of ``data`` on the CPU, with frequent records."""
+    values = dict(data=data, batch_size=4, block_size=32, steps=8, optimizer="adamw", lr=3e-3,
+                  warmup=2, clip=1.0, eval_interval=4, eval_chars=64, log_interval=2,
+                  checkpoint_interval=3, device="cpu", tensorboard=False)
+    return TrainConfig(**{**values, **changes})
+
+
+def run_quietly(run_dir: Path, config: TrainConfig, model: ModelConfig = TRAIN_MODEL,
+                **kw) -> dict:
+    """:func:`adaspan.train` without progress bar or log lines."""
+    return train(model, config, run_dir, progress=False, log=lambda message: None, **kw)

@@ -1,0 +1,65 @@
+"""The package's layering (docs/architecture.md): no module imports one of a higher layer,
+so there is no import cycle; every module is placed in a layer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import adaspan
+
+PACKAGE = Path(adaspan.__file__).parent
+
+# Layer of every module, lowest first (the table of docs/architecture.md).
+LAYERS = {
+    "_version": 0, "registry": 0, "span": 0, "cache": 0, "download": 0, "distributed": 0,
+    "analysis": 0,
+    "config": 1, "data": 1,
+    "attention": 2,
+    "baselines": 3,
+    "model": 4,
+    "checkpoint": 5, "evaluate": 5, "generate": 5, "memory": 5,
+    "bench": 6, "metrics": 6, "official": 6,
+    "train": 7, "presets": 7,
+    "report": 8, "demo": 8,
+    "compare": 9,
+    "cli": 10, "__init__": 10,
+}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Modules of the package that ``path`` imports (at the top or inside functions)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import / from . import x
+            names.update([node.module.split(".")[0]] if node.module
+                         else [alias.name for alias in node.names])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("adaspan."):
+            names.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[1] for alias in node.names
+                         if alias.name.startswith("adaspan."))
+    return names
+
+
+def test_every_module_has_a_layer():
+    modules = {path.stem for path in PACKAGE.glob("*.py")}
+    assert modules == set(LAYERS)
+
+
+def test_modules_import_only_lower_layers():
+    upward = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        module = path.stem
+        for imported in _imported_modules(path):
+            if LAYERS[imported] >= LAYERS[module] and module != "__init__":
+                upward.append(f"{module} (layer {LAYERS[module]}) imports {imported} "
+                              f"(layer {LAYERS[imported]})")
+    assert upward == []
+
+
+def test_the_layer_table_is_the_one_documented():
+    doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    for module, layer in LAYERS.items():
+        if module != "__init__":
+            assert f"`{module}.py` | {layer} |" in doc, module

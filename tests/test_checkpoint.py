@@ -1,0 +1,171 @@
+"""Run directories: atomic writes, the checks before a run starts or resumes, checkpoints that
+restore the training state, runs of older versions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TRAIN_MODEL, run_quietly, tiny_train_config
+from safetensors.torch import save_file
+
+from adaspan import SpanLM
+from adaspan.cache import StreamCache
+from adaspan.checkpoint import (
+    RunDirError,
+    atomic_write,
+    load_model,
+    load_run_config,
+    load_training_state,
+    new_run_dir,
+    prepare_run_dir,
+    save_checkpoint,
+    save_config,
+)
+from adaspan.config import TrainConfig
+from adaspan.train import build_optimizer, build_scheduler
+
+
+def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
+    target = tmp_path / "file.txt"
+    atomic_write({target: lambda path: path.write_text("old")})
+
+    def broken(path: Path) -> None:
+        path.write_text("half written")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write({target: broken, tmp_path / "other.txt": lambda p: p.write_text("x")})
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["file.txt"]
+
+
+# --- before a run starts or resumes -------------------------------------------------------------
+
+
+def test_prepare_run_dir_accepts_only_a_new_or_empty_directory(tmp_path):
+    config = tiny_train_config("kjv")
+    prepare_run_dir(tmp_path / "new", TRAIN_MODEL, config, resume=False)
+    prepare_run_dir(tmp_path, TRAIN_MODEL, config, resume=False)  # empty
+    (tmp_path / "notes.txt").write_text("precious")
+    for taken in (tmp_path, tmp_path / "notes.txt"):
+        with pytest.raises(RunDirError, match=r"already exists.*--resume"):
+            prepare_run_dir(taken, TRAIN_MODEL, config, resume=False)
+    assert (tmp_path / "notes.txt").read_text() == "precious"
+
+
+def test_refuses_to_overwrite_a_run(tmp_path, corpus_file):
+    (tmp_path / "notes.txt").write_text("precious")
+    with pytest.raises(RunDirError, match="--resume"):
+        run_quietly(tmp_path, tiny_train_config(corpus_file))
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_resume_needs_a_checkpoint_with_the_same_model(tmp_path, corpus_file):
+    with pytest.raises(RunDirError, match="nothing to resume"):
+        run_quietly(tmp_path / "missing", tiny_train_config(corpus_file), resume=True)
+    run_quietly(tmp_path, tiny_train_config(corpus_file, steps=1))
+    with pytest.raises(RunDirError, match=r"model\.d_model"):
+        run_quietly(tmp_path, tiny_train_config(corpus_file),
+                    dataclasses.replace(TRAIN_MODEL, d_model=32), resume=True)
+    with pytest.raises(RunDirError, match=r"train\.batch_size"):
+        run_quietly(tmp_path, tiny_train_config(corpus_file, batch_size=2), resume=True)
+
+
+def another_value(config: TrainConfig, name: str) -> object:
+    """A valid value of option ``name`` other than its value in ``config``."""
+    item = next(f for f in dataclasses.fields(config) if f.name == name)
+    value, choices = getattr(config, name), item.metadata["choices"]
+    if choices is not None:
+        return next(choice for choice in choices if choice != value)
+    if isinstance(value, str):
+        return value + "-other"
+    return value * 2 + 1
+
+
+@pytest.fixture
+def saved_run(tmp_path) -> tuple[Path, SpanLM, TrainConfig, StreamCache]:
+    """A checkpoint at step 3, block 2, with a cache of 4 streams (two layers)."""
+    config = tiny_train_config("kjv")
+    torch.manual_seed(0)
+    model = SpanLM(TRAIN_MODEL)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config)
+    cache = StreamCache([torch.randn(4, 9, 16), torch.randn(4, 5, 16)])
+    save_checkpoint(tmp_path, model, optimizer, scheduler, 3, 2, cache, config, elapsed=1.5)
+    return tmp_path, model, config, cache
+
+
+@pytest.mark.parametrize("name", TrainConfig.fixed_on_resume())
+def test_resume_refuses_another_value_of_an_option_it_must_keep(saved_run, name):
+    run_dir, _, config, _ = saved_run
+    prepare_run_dir(run_dir, TRAIN_MODEL, config, resume=True)
+    changed = dataclasses.replace(config, **{name: another_value(config, name)})
+    with pytest.raises(RunDirError, match=rf"cannot resume .*train\.{name}="):
+        prepare_run_dir(run_dir, TRAIN_MODEL, changed, resume=True)
+
+
+def test_resume_accepts_other_values_of_the_other_options(saved_run):
+    run_dir, _, config, _ = saved_run
+    changes = dict(steps=100, clip=0.5, seed=5, batch_split=2, eval_interval=7, log_interval=1,
+                   checkpoint_interval=9, time_budget=60.0, tensorboard=True,
+                   clip_mode=another_value(config, "clip_mode"))
+    assert not changes.keys() & set(TrainConfig.fixed_on_resume())
+    prepare_run_dir(run_dir, TRAIN_MODEL, dataclasses.replace(config, **changes), resume=True)
+
+
+def test_a_checkpoint_restores_the_training_state(saved_run):
+    run_dir, model, config, cache = saved_run
+    assert load_run_config(run_dir) == (TRAIN_MODEL, config)
+    torch.manual_seed(1)
+    restored = SpanLM(TRAIN_MODEL)
+    optimizer = build_optimizer(restored, config)
+    state = load_training_state(run_dir, restored, optimizer, build_scheduler(optimizer, config))
+    assert (state.step, state.position, state.elapsed) == (3, 2, 1.5)
+    assert isinstance(state.cache, StreamCache)
+    for got, saved in zip(state.cache.layers, cache.layers, strict=True):
+        assert torch.equal(got, saved)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(restored.state_dict()[name], tensor), name
+
+
+def test_new_run_dirs_are_named_by_the_time():
+    path = new_run_dir("demo")
+    assert path.parent == Path("runs") and re.fullmatch(r"demo-\d{8}-\d{6}", path.name)
+
+
+# --- reading runs -------------------------------------------------------------------------------
+
+
+def test_load_model_explains_a_missing_run(tmp_path):
+    with pytest.raises(RunDirError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(RunDirError, match=r"config\.json"):
+        load_model(tmp_path)
+
+
+def test_runs_of_adaspan_0_1_load_with_their_per_layer_position_tables(tmp_path):
+    """Their config.json has no position_table and their weights one table per layer."""
+    old = SpanLM(dataclasses.replace(TRAIN_MODEL, position_table="layer"))
+    save_file({k: v.contiguous() for k, v in old.state_dict().items()},
+              tmp_path / "model.safetensors")
+    model_options = {k: v for k, v in TRAIN_MODEL.to_dict().items() if k != "position_table"}
+    (tmp_path / "config.json").write_text(json.dumps({
+        "adaspan_version": "0.1.0", "model": model_options,
+        "train": tiny_train_config("kjv").to_dict()}))
+    loaded = load_model(tmp_path)
+    assert loaded.config.position_table == "layer"
+    tokens = torch.randint(0, 256, (1, 20))
+    torch.testing.assert_close(loaded(tokens)[0], old.eval()(tokens)[0])
+
+
+def test_save_config_writes_both_sections(tmp_path):
+    config = tiny_train_config("kjv", steps=5)
+    save_config(tmp_path, TRAIN_MODEL, config)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model"] == TRAIN_MODEL.to_dict() and saved["train"] == config.to_dict()
+    assert load_run_config(tmp_path) == (TRAIN_MODEL, config)

@@ -1,0 +1,128 @@
+"""The configurations: validation that names the field, dict round trips, each option's help
+and choices (field metadata), the options a resumed run must keep."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING, fields
+
+import pytest
+from helpers import tiny_config
+
+from adaspan.config import SECTIONS, ModelConfig, TrainConfig
+from adaspan.registry import ATTENTIONS
+
+# --- ModelConfig --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("d_model", 30), ("n_heads", 0), ("ramp", 1), ("dropout", 1.0), ("attention", "sparse"),
+     ("max_span", -5), ("span_init", 2.0), ("truncation", "some"), ("vocab_size", 2.5),
+     ("n_layers", True), ("span_bucket", 0), ("position_table", "global"),
+     ("span_loss_coef", -1e-6)],
+)
+def test_invalid_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}"):
+        ModelConfig(**{field: value})
+
+
+def test_unknown_attention_lists_every_registered_variant():
+    with pytest.raises(ValueError, match=re.escape(f"one of {', '.join(ATTENTIONS)}, got 'x'")):
+        ModelConfig(attention="x")
+
+
+def test_the_attention_choices_follow_the_registry(toy_attention):
+    assert tiny_config(toy_attention).attention == toy_attention  # registered after import
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown model option"):
+        ModelConfig.from_dict({"d_model": 64, "heads": 4})
+
+
+@pytest.mark.parametrize("attention", list(ATTENTIONS))
+def test_model_config_round_trips_through_a_dict(attention):
+    config = tiny_config(attention, span_init=0.25, truncation="layer")
+    assert ModelConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize(
+    ("field", "options"),
+    [("factorized_stride", dict(factorized_stride=0)),
+     ("factorized_c", dict(factorized_c=0)),
+     ("factorized_c", dict(factorized_stride=8, factorized_c=16)),
+     ("factorized_c", dict(factorized_c=2.5)),
+     ("n_heads", dict(attention="factorized", n_heads=1)),
+     ("max_span", dict(attention="factorized", max_span=64, factorized_stride=128))],
+)
+def test_invalid_factorized_config_names_the_field(field, options):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}"):
+        ModelConfig(**options)
+
+
+def test_stride_limits_only_apply_to_factorized():
+    ModelConfig(attention="xl", max_span=64, n_heads=1, d_model=16)
+    cfg = ModelConfig(attention="factorized", max_span=256, factorized_stride=256,
+                      factorized_c=32)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+# --- TrainConfig --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"batch_size": 6, "batch_split": 4}, "batch_size"),
+        ({"steps": 2.5}, "steps"),
+        ({"lr": -1.0}, "lr"),
+        ({"warmup": -1}, "warmup"),
+        ({"clip": float("nan")}, "clip"),
+        ({"optimizer": "sgd"}, "optimizer"),
+        ({"clip_mode": "norm"}, "clip_mode"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"device": "gpu"}, "device"),
+        ({"time_budget": 0}, "time_budget"),
+        ({"lr_drop_steps": 2_000_000}, "lr_drop_steps"),
+        ({"log_interval": True}, "log_interval"),
+        ({"tensorboard": "yes"}, "tensorboard"),
+    ],
+)
+def test_train_config_errors_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{field} "):
+        TrainConfig(**changes)
+
+
+def test_train_config_round_trips_through_a_dict():
+    config = TrainConfig(steps=10, time_budget=5.0, data_dir="/tmp")
+    assert TrainConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match=r"unknown train option.*stepz"):
+        TrainConfig.from_dict({"stepz": 1})
+
+
+def test_a_resumed_run_keeps_the_options_of_its_data_stream_and_optimiser():
+    assert sorted(TrainConfig.fixed_on_resume()) == sorted(
+        ["data", "batch_size", "block_size", "optimizer", "lr", "warmup", "weight_decay"])
+
+
+# --- both ---------------------------------------------------------------------------------------
+
+
+def test_sections_name_their_classes():
+    assert {"model": ModelConfig, "train": TrainConfig} == SECTIONS
+    assert all(cls.section == name for name, cls in SECTIONS.items())
+
+
+@pytest.mark.parametrize("section", list(SECTIONS))
+def test_every_option_has_a_help_line_with_its_choices_and_default(section):
+    cls = SECTIONS[section]
+    for item in fields(cls):
+        text, choices = item.metadata["help"], item.metadata["choices"]
+        assert isinstance(text, str) and text.strip(), item.name
+        line = cls.help(item)
+        assert line.startswith(text) and "\n" not in line, item.name
+        if choices is not None:
+            assert f"({' | '.join(choices)})" in line, item.name
+        assert item.default is not MISSING and line.endswith(f"[default: {item.default}]")

@@ -1,0 +1,366 @@
+"""Never lose a run, never trust a file: kills at any moment, signals, hostile state files,
+full disks, one-line errors, paths, file modes, and the memory estimate."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from adaspan import ModelConfig, SpanLM, TrainConfig, train
+from adaspan.checkpoint import (
+    LEGACY_STATE_FILE,
+    STATE_FILE,
+    RunDirError,
+    load_model,
+    load_training_state,
+)
+from adaspan.cli import main
+from adaspan.memory import estimate_training_memory, profiled_peak
+from adaspan.train import build_optimizer, build_scheduler, train_step
+
+MODEL = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
+                    span_bucket=8, span_init=0.3, dropout=0.2)
+STEPS = 12
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _options(data: str, **changes) -> dict:
+    values = dict(data=data, batch_size=4, block_size=32, steps=STEPS, optimizer="adamw",
+                  lr=3e-3, warmup=2, clip=1.0, eval_interval=4, eval_chars=64, log_interval=2,
+                  checkpoint_interval=1, device="cpu", tensorboard=False)
+    return {**values, **changes}
+
+
+def _overrides(options: dict) -> list[str]:
+    model = [f"model.{k}={v}" for k, v in MODEL.to_dict().items()]
+    return model + [f"train.{k}={v}" for k, v in options.items()]
+
+
+@pytest.fixture(scope="module")
+def reference_weights(corpus_file, tmp_path_factory) -> dict[str, torch.Tensor]:
+    run = tmp_path_factory.mktemp("runs") / "uninterrupted"
+    train(MODEL, TrainConfig(**_options(corpus_file)), run, progress=False, log=lambda m: None)
+    return load_file(run / "model.safetensors")
+
+
+def _assert_same_weights(run: Path, expected: dict[str, torch.Tensor]) -> None:
+    weights = load_file(run / "model.safetensors")
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+# Run `adaspan train` in a child process that SIGKILLs itself just before its n-th rename of a
+# checkpoint file (3 per checkpoint, after the first config.json): inside a checkpoint write.
+_KILL_AT_RENAME = """
+import os, signal, sys
+import adaspan.checkpoint as checkpoint
+calls, target, replace = [0], int(sys.argv[1]), os.replace
+def killing_replace(src, dst):
+    calls[0] += 1
+    if calls[0] == target:
+        os.kill(os.getpid(), signal.SIGKILL)
+    replace(src, dst)
+checkpoint.os.replace = killing_replace
+from adaspan.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _child(args: list[str], kill_at_rename: int = 0) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    prefix = ["-c", _KILL_AT_RENAME, str(kill_at_rename)] if kill_at_rename else ["-m",
+                                                                                 "adaspan.cli"]
+    return subprocess.Popen([sys.executable, *prefix, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _resume(run: Path) -> None:
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+
+
+def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, corpus_file,
+                                                            reference_weights):
+    """12 kills: 6 inside checkpoint writes (before each of the three renames, the first
+    checkpoint included), 6 at random moments of training; every run resumes to the same
+    weights as a run never interrupted, and no temporary file is left."""
+    rng = random.Random(0)
+    kills = [("rename", n) for n in (2, 3, 4, 9, 20, 34)]
+    kills += [("time", rng.uniform(0.0, 0.3)) for _ in range(6)]
+    temporaries_seen = killed_in_training = 0
+    for i, (how, when) in enumerate(kills):
+        run = tmp_path / f"run{i}"
+        args = ["train", "--run-dir", str(run), "--no-progress", *_overrides(_options(
+            corpus_file))]
+        child = _child(args, kill_at_rename=when if how == "rename" else 0)
+        if how == "time":  # once training has begun (the first record is written)
+            _wait_for(run / "metrics.jsonl", child)
+            time.sleep(when)
+            child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=120)
+        temporaries_seen += bool(list(run.glob(".*.tmp")))
+        if child.returncode != 0 and not _finished(run):
+            _resume(run)
+            killed_in_training += 1
+        _assert_same_weights(run, reference_weights)
+        assert list(run.glob(".*.tmp")) == []
+    assert temporaries_seen >= 4  # the kills inside writes left files to clean up
+    assert killed_in_training >= 10
+
+
+def _finished(run: Path) -> bool:
+    """Whether the run's last checkpoint is of its last step (killed after saving it)."""
+    if not (run / STATE_FILE).exists():
+        return False
+    with safe_open(run / STATE_FILE, framework="pt") as state:
+        return json.loads(state.metadata()["state"])["dict"][0][1] == STEPS
+
+
+def _wait_for(path: Path, child: subprocess.Popen, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_sigterm_saves_and_resumes_exactly(tmp_path, corpus_file, reference_weights):
+    run = tmp_path / "run"
+    options = _options(corpus_file, checkpoint_interval=100)  # only the signal saves
+    child = _child(["train", "--run-dir", str(run), *_overrides(options)])
+    _wait_for(run / "metrics.jsonl", child)
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == 128 + signal.SIGTERM
+    assert f"continue with `adaspan train --resume {run}`" in stderr
+    assert "Traceback" not in stderr
+    assert (run / STATE_FILE).exists()
+    _resume(run)
+    _assert_same_weights(run, reference_weights)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(
+        tmp_path, corpus_file, reference_weights):
+    run = tmp_path / "run"
+    child = _child(["train", "--run-dir", str(run), *_overrides(_options(corpus_file))],
+                   kill_at_rename=2)  # the first checkpoint's first rename
+    child.communicate(timeout=120)
+    assert (run / "config.json").exists() and not (run / STATE_FILE).exists()
+    _resume(run)
+    _assert_same_weights(run, reference_weights)
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("name", [LEGACY_STATE_FILE, STATE_FILE])
+def test_a_hostile_state_file_is_refused_and_its_payload_never_runs(tmp_path, corpus_file,
+                                                                     name):
+    run = tmp_path / "run"
+    train(MODEL, TrainConfig(**_options(corpus_file, steps=2)), run, progress=False,
+          log=lambda m: None)
+    marker = tmp_path / "payload-ran"
+    (run / STATE_FILE).unlink()
+    (run / name).write_bytes(pickle.dumps({"step": 2, "evil": _Payload(marker)}))
+    model = SpanLM(MODEL)
+    optimizer = build_optimizer(model, TrainConfig(optimizer="adamw"))
+    with pytest.raises(RunDirError) as refused:
+        load_training_state(run, model, optimizer, build_scheduler(optimizer, TrainConfig()))
+    assert not marker.exists()
+    assert "weights_only" not in str(refused.value)
+    assert "refused" in str(refused.value)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, corpus_file, monkeypatch,
+                                                    capsys):
+    run = tmp_path / "run"
+    train(MODEL, TrainConfig(**_options(corpus_file, steps=4)), run, progress=False,
+          log=lambda m: None)
+    import adaspan.checkpoint as checkpoint
+
+    def full(state, path):
+        Path(path).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(checkpoint, "_save_state", full)
+    code = main(["train", "--resume", str(run), "--no-progress", "steps=6"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("adaspan: error: No space left on device")
+    monkeypatch.undo()
+    model = SpanLM(MODEL)
+    optimizer = build_optimizer(model, TrainConfig(optimizer="adamw"))
+    state = load_training_state(run, model, optimizer, build_scheduler(optimizer, TrainConfig()))
+    assert state.step == 4
+    assert list(run.glob(".*.tmp")) == []
+
+
+def _bad_inputs(tmp: Path, corpus: str) -> dict[str, tuple[list[str], str]]:
+    """name -> (command line, what the one-line error says)."""
+    run = tmp / "run"
+    return {
+        "device": (["evaluate", str(run), "--device", "foo"], "device must be auto, cpu"),
+        "cuda": (["evaluate", str(run), "--device", "cuda"], "CUDA is not available"),
+        "block-size": (["evaluate", str(run), "--block-size", "0"], "must be a positive"),
+        "bench-steps": (["bench", "--steps", "0"], "must be a positive"),
+        "fewer-steps": (["train", "--resume", str(run), "steps=1"], "nothing to train"),
+        "corrupt-state": (["train", "--resume", str(tmp / "corrupt")], "cannot read"),
+        "divergence": (["train", "--run-dir", str(tmp / "nan"), "--no-progress",
+                        *_overrides(_options(corpus, lr=1e6, clip=0.0))],
+                       "training diverged at step"),
+        "no-run": (["evaluate", str(tmp / "missing")], "does not exist"),
+        "resume-other-model": (["train", "--resume", str(run), "d_model=32"],
+                               "cannot resume"),
+    }
+
+
+BAD_INPUTS = ["device", "cuda", "block-size", "bench-steps", "fewer-steps", "corrupt-state",
+              "divergence", "no-run", "resume-other-model"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus_file) -> Path:
+    tmp = tmp_path_factory.mktemp("bad")
+    train(MODEL, TrainConfig(**_options(corpus_file, steps=3)), tmp / "run", progress=False,
+          log=lambda m: None)
+    corrupt = tmp / "corrupt"
+    train(MODEL, TrainConfig(**_options(corpus_file, steps=2)), corrupt, progress=False,
+          log=lambda m: None)
+    (corrupt / STATE_FILE).write_bytes(b"not a state file")
+    return tmp
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_inputs_end_with_one_line_and_exit_2(case, finished_run, corpus_file, capsys):
+    if case == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    argv, says = _bad_inputs(finished_run, corpus_file)[case]
+    with pytest.raises(SystemExit) if case in ("block-size", "bench-steps") else _no_raise():
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "error:" in last and says in last, last
+
+
+class _no_raise:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_debug_shows_the_traceback(finished_run):
+    with pytest.raises(ValueError, match="device must be"):
+        main(["--debug", "evaluate", str(finished_run / "run"), "--device", "foo"])
+
+
+def test_non_utf8_prompt_is_read_as_bytes(finished_run, capsys):
+    prompt = os.fsdecode(b"caf\xe9 ")  # Latin-1, as a shell passes it
+    assert main(["generate", str(finished_run / "run"), "--prompt", prompt, "--length", "5",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt"] == "caf\ufffd "
+
+
+def test_paths_are_stored_resolved_and_the_run_works_from_elsewhere(tmp_path, corpus_file,
+                                                                     monkeypatch, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "text.txt").write_bytes(Path(corpus_file).read_bytes())
+    monkeypatch.chdir(data)
+    main(["train", "--run-dir", str(tmp_path / "run"), "--no-progress",
+          *_overrides(_options("text.txt", steps=2))])
+    monkeypatch.chdir(tmp_path)
+    assert main(["evaluate", "run", "--json", "--no-progress"]) == 0
+    assert main(["train", "--resume", "run", "--no-progress", "steps=3",
+                 f"data={data / 'text.txt'}"]) == 0  # the same file, written another way
+    assert '"steps": 3' in capsys.readouterr().out
+
+
+def test_run_files_share_one_mode(tmp_path, corpus_file):
+    train(MODEL, TrainConfig(**_options(corpus_file, steps=2)), tmp_path / "run",
+          progress=False, log=lambda m: None)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "run").iterdir()
+             if path.is_file()}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+@pytest.mark.parametrize(("changes", "batch", "block", "optimizer"), [
+    ({}, 4, 64, "adamw"),
+    ({"d_model": 64, "n_heads": 4, "d_inner": 256, "max_span": 256}, 8, 128, "adagrad"),
+    ({"d_model": 32, "n_heads": 4, "n_layers": 3, "attention": "fixed", "max_span": 128}, 6,
+     96, "adamw"),
+])
+def test_memory_estimate_is_within_a_quarter_of_the_measured_peak(changes, batch, block,
+                                                                  optimizer):
+    config = ModelConfig(**{**MODEL.to_dict(), **changes})
+    torch.manual_seed(0)
+    model = SpanLM(config)
+    train_config = TrainConfig(batch_size=batch, block_size=block, optimizer=optimizer,
+                               lr=1e-3, warmup=0)
+    estimate = estimate_training_memory(model, optimizer, batch, block)
+    optimizer_ = build_optimizer(model, train_config)
+    scheduler = build_scheduler(optimizer_, train_config)
+    x = torch.randint(0, 256, (batch, block))
+    cache = _full_cache(model, batch)
+    peak = profiled_peak(lambda: train_step(model, optimizer_, scheduler, x, x, cache,
+                                            train_config))
+    measured = estimate.weights + peak
+    assert abs(estimate.total - measured) <= 0.25 * measured, (estimate, measured)
+
+
+def _full_cache(model: SpanLM, batch: int):
+    from adaspan.cache import StreamCache
+
+    return StreamCache([torch.zeros(batch, model.config.max_span, model.config.d_model)
+                        for _ in model.layers])
+
+
+def test_keep_last_keeps_the_newest_checkpoints_loadable(tmp_path, corpus_file):
+    run = tmp_path / "run"
+    train(MODEL, TrainConfig(**_options(corpus_file, steps=7, checkpoint_interval=2,
+                                        keep_last=2)), run, progress=False, log=lambda m: None)
+    kept = sorted(path.name for path in (run / "checkpoints").iterdir())
+    assert kept == ["step-000000006", "step-000000007"]
+    older = load_model(run / "checkpoints" / kept[0])
+    newest = load_model(run)
+    assert not torch.equal(older.embed.weight, newest.embed.weight)
+    assert torch.equal(load_model(run / "checkpoints" / kept[1]).embed.weight,
+                       newest.embed.weight)
+
+
+def test_an_unwritable_run_directory_is_one_line(tmp_path, corpus_file, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = ["train", "--run-dir", str(blocker / "run"), "--no-progress",
+            *_overrides(_options(corpus_file, steps=1))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("adaspan: error: Not a directory")
+
+
+def test_missing_matplotlib_is_one_line(finished_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    assert main(["inspect", str(finished_run / "run"), "--plot", str(tmp_path)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("adaspan: error: plots need matplotlib")

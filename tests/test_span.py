@@ -1,0 +1,132 @@
+"""Span masks (paper §2.2): the soft mask, and the fixed, adaptive and dynamic spans: what a
+head sees, the spans' penalty, their limits and their gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import span_attention, tiny
+from reference import distances_that_move
+
+from adaspan import ModelConfig, SpanLM, soft_mask
+from adaspan.registry import ATTENTIONS
+from adaspan.span import AdaptiveSpan, DynamicSpan, FixedSpan
+
+
+def test_soft_mask_matches_the_formula():
+    d = torch.arange(0, 20, dtype=torch.float32)
+    m = soft_mask(d, torch.tensor(5.0), 4)
+    expected = [1.0] * 6 + [0.75, 0.5, 0.25] + [0.0] * 11  # 1 up to z, ramp of width R, then 0
+    assert m.tolist() == expected
+
+
+def test_soft_mask_gradient_flows_to_z_on_the_ramp_only():
+    z = torch.tensor(5.0, requires_grad=True)
+    soft_mask(torch.tensor([3.0, 7.0, 12.0]), z, 4).sum().backward()
+    assert z.grad.item() == pytest.approx(0.25)  # only the key at distance 7 is on the ramp
+
+
+def test_span_gradient_at_initialisation_is_finite_and_nonzero():
+    attn = span_attention("adaptive")
+    attn.span.set_spans(torch.full((4,), 8.0))  # z = 0, the paper's initialisation
+    attn(torch.randn(2, 12, 16), torch.randn(2, 4, 16))[0].square().sum().backward()
+    grad = attn.span.z_frac.grad
+    assert torch.isfinite(grad).all() and (grad != 0).all()
+
+
+def test_dynamic_span_initialised_short():
+    cfg = ModelConfig(d_model=16, n_heads=2, n_layers=1, max_span=1024, attention="dynamic")
+    span = ATTENTIONS["dynamic"](cfg).span
+    z = span(torch.randn(1, 5, 16))
+    assert torch.allclose(z, torch.full_like(z, 1024 * torch.sigmoid(torch.tensor(-4.0))))
+
+
+@pytest.mark.parametrize("z", [0.0, 5.0, 21.5])
+def test_one_layer_sees_exactly_its_span(z):
+    """A token z + R or more back does not change the output; one inside the span does."""
+    model = tiny("adaptive", n_layers=1, n_heads=2, max_span=64)
+    ramp = model.config.ramp
+    model.set_spans([[z + ramp, z + ramp]])
+    limit = int(torch.tensor(z + ramp).ceil())  # first distance with m_z = 0
+    t = 60
+    tokens = torch.randint(0, 32, (1, t + 1))
+    distances = range(1, t + 1)
+    moved = distances_that_move(model, tokens, t, distances)
+    assert moved == [d < limit for d in distances]
+
+
+def test_span_penalty_is_lambda_over_heads_times_sum_z():
+    model = tiny("adaptive", span_loss_coef=1e-3)
+    spans = [[10.0, 20.0, 40.0, 64.0], [8.0, 9.0, 33.0, 17.5]]
+    model.set_spans(spans)
+    z = [max(0.0, s - model.config.ramp) for layer in spans for s in layer]
+    expected = 1e-3 / model.config.n_heads * sum(z)
+    assert model.span_loss().item() == pytest.approx(expected, rel=1e-6)
+    assert model.spans() == [[max(s, 8.0) for s in layer] for layer in spans]
+
+
+def test_dynamic_span_penalty_averages_tokens():
+    model = tiny("dynamic", span_loss_coef=1.0)
+    tokens = torch.randint(0, 32, (2, 10))
+    model(tokens)
+    z_means = [layer.attn.span(layer_input).mean(dim=(0, 2)).sum()
+               for layer, layer_input in zip(model.layers, layer_inputs(model, tokens),
+                                             strict=True)]
+    expected = sum(z_means) / model.config.n_heads
+    assert model.span_loss().item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def layer_inputs(model: SpanLM, tokens: torch.Tensor) -> list[torch.Tensor]:
+    inputs, h = [], model.embed(tokens)
+    for layer in model.layers:
+        inputs.append(h)
+        h, _ = layer(h, torch.zeros(tokens.shape[0], 0, model.config.d_model), model.pos)
+    return inputs
+
+
+def test_fixed_span_has_no_penalty_and_full_spans():
+    model = tiny("fixed")
+    assert model.span_loss().item() == 0.0
+    assert model.spans() == [[64.0] * 4] * 2
+    with pytest.raises(ValueError, match="no learnable span"):
+        model.set_spans([10.0] * 4)
+
+
+def test_clamp_spans_keeps_z_frac_in_unit_interval():
+    model = tiny("adaptive")
+    with torch.no_grad():
+        model.layers[0].attn.span.z_frac.copy_(torch.tensor([-0.5, 0.2, 1.7, 1.0]))
+    model.clamp_spans()
+    assert model.layers[0].attn.span.z_frac.tolist() == pytest.approx([0.0, 0.2, 1.0, 1.0])
+
+
+LEARNED_SPANS = [lambda: AdaptiveSpan(4, 64, 8), lambda: DynamicSpan(4, 64, 8, d_model=16)]
+
+
+@pytest.mark.parametrize("make", LEARNED_SPANS)
+def test_set_spans_is_the_inverse_of_spans(make):
+    span = make()
+    spans = torch.tensor([8.0, 9.5, 33.25, 64.0])  # from z = 0 (span R) to z + R = S
+    span.set_spans(spans)
+    torch.testing.assert_close(span.spans(), spans, atol=1e-3, rtol=0)
+    spans[0] = 8.5  # z = 0.5: the mask reaches distance 8
+    span.set_spans(spans)
+    assert span.windows(span(torch.randn(2, 3, 16))) == [9, 10, 34, 64]  # min(S, ceil(z + R))
+
+
+@pytest.mark.parametrize("make", LEARNED_SPANS)
+def test_set_spans_refuses_spans_outside_the_limits(make):
+    span = make()
+    with pytest.raises(ValueError, match=r"spans must lie in \[1, max_span=64\]"):
+        span.set_spans(torch.tensor([8.0, 9.0, 10.0, 65.0]))
+    with pytest.raises(ValueError, match="spans must lie"):
+        span.set_spans(torch.tensor([0.5, 9.0, 10.0, 11.0]))
+    with pytest.raises(ValueError, match="expected 4 spans"):
+        span.set_spans(torch.tensor([8.0, 9.0]))
+
+
+def test_fixed_span_sees_everything_up_to_the_limit():
+    span = FixedSpan(3, 40, 8)
+    assert span(torch.randn(1, 5, 16)) is None  # no mask
+    assert span.windows(None) == [40] * 3 and span.spans().tolist() == [40.0] * 3
+    assert span.z_penalty() is None
