@@ -18,7 +18,7 @@ LAYERS = {
     "attention": 2,
     "baselines": 3,
     "model": 4,
-    "checkpoint": 5, "evaluate": 5, "generate": 5, "memory": 5,
+    "checkpoint": 5, "evaluate": 5, "generate": 5, "optim": 5, "memory": 5,
     "bench": 6, "metrics": 6, "official": 6,
     "train": 7, "presets": 7,
     "report": 8, "demo": 8,

@@ -27,7 +27,7 @@ from adaspan.checkpoint import (
     save_config,
 )
 from adaspan.config import TrainConfig
-from adaspan.train import build_optimizer, build_scheduler
+from adaspan.optim import build_optimizer, build_scheduler
 
 
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):

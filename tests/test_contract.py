@@ -17,8 +17,9 @@ from reference import run_blocks
 from adaspan import SpanLM, TrainConfig
 from adaspan.cache import KeyValueCache, StreamCache
 from adaspan.config import TRUNCATIONS
+from adaspan.optim import build_optimizer, build_scheduler
 from adaspan.registry import ATTENTIONS
-from adaspan.train import build_optimizer, build_scheduler, train_step
+from adaspan.train import train_step
 
 VARIANTS = list(ATTENTIONS)
 VOCAB = 32

@@ -29,7 +29,8 @@ from adaspan.checkpoint import (
 )
 from adaspan.cli import main
 from adaspan.memory import estimate_training_memory, profiled_peak
-from adaspan.train import build_optimizer, build_scheduler, train_step
+from adaspan.optim import build_optimizer, build_scheduler
+from adaspan.train import train_step
 
 MODEL = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
                     span_bucket=8, span_init=0.3, dropout=0.2)
@@ -63,18 +64,23 @@ def _assert_same_weights(run: Path, expected: dict[str, torch.Tensor]) -> None:
         assert torch.equal(weights[name], tensor), name
 
 
-# Run `adaspan train` in a child process that SIGKILLs itself just before its n-th rename of a
-# checkpoint file (3 per checkpoint, after the first config.json): inside a checkpoint write.
-_KILL_AT_RENAME = """
-import os, signal, sys
-import adaspan.checkpoint as checkpoint
-calls, target, replace = [0], int(sys.argv[1]), os.replace
+# Run `adaspan train` in a child process whose steps last at least 50 ms (so that a kill at a
+# random moment lands in training) and that SIGKILLs itself just before its n-th rename of a
+# run file (n > 0; 3 per checkpoint, after the first config.json): inside a checkpoint write.
+_CHILD = """
+import importlib, os, signal, sys, time
+checkpoint = importlib.import_module("adaspan.checkpoint")
+training = importlib.import_module("adaspan.train")  # (adaspan.train is also the function)
+calls, target, replace, step = [0], int(sys.argv[1]), os.replace, training.train_step
 def killing_replace(src, dst):
-    calls[0] += 1
+    calls[0] += os.path.basename(dst) in ("config.json", "model.safetensors", "state.safetensors")
     if calls[0] == target:
         os.kill(os.getpid(), signal.SIGKILL)
     replace(src, dst)
-checkpoint.os.replace = killing_replace
+def slow_step(*args, **kwargs):
+    time.sleep(0.05)
+    return step(*args, **kwargs)
+checkpoint.os.replace, training.train_step = killing_replace, slow_step
 from adaspan.cli import main
 sys.exit(main(sys.argv[2:]))
 """
@@ -82,10 +88,8 @@ sys.exit(main(sys.argv[2:]))
 
 def _child(args: list[str], kill_at_rename: int = 0) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    prefix = ["-c", _KILL_AT_RENAME, str(kill_at_rename)] if kill_at_rename else ["-m",
-                                                                                 "adaspan.cli"]
-    return subprocess.Popen([sys.executable, *prefix, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(kill_at_rename), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _resume(run: Path) -> None:
@@ -99,7 +103,7 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, corpus_fil
     weights as a run never interrupted, and no temporary file is left."""
     rng = random.Random(0)
     kills = [("rename", n) for n in (2, 3, 4, 9, 20, 34)]
-    kills += [("time", rng.uniform(0.0, 0.3)) for _ in range(6)]
+    kills += [("time", rng.uniform(0.0, 0.4)) for _ in range(6)]  # 10 steps >= 0.5 s
     temporaries_seen = killed_in_training = 0
     for i, (how, when) in enumerate(kills):
         run = tmp_path / f"run{i}"
@@ -118,7 +122,7 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, corpus_fil
         _assert_same_weights(run, reference_weights)
         assert list(run.glob(".*.tmp")) == []
     assert temporaries_seen >= 4  # the kills inside writes left files to clean up
-    assert killed_in_training >= 10
+    assert killed_in_training == len(kills)
 
 
 def _finished(run: Path) -> bool:
@@ -177,7 +181,7 @@ def test_a_hostile_state_file_is_refused_and_its_payload_never_runs(tmp_path, co
           log=lambda m: None)
     marker = tmp_path / "payload-ran"
     (run / STATE_FILE).unlink()
-    (run / name).write_bytes(pickle.dumps({"step": 2, "evil": _Payload(marker)}))
+    (run / name).write_bytes(pickle.dumps({"step": 2, "evil": _Payload(marker)}, protocol=2))
     model = SpanLM(MODEL)
     optimizer = build_optimizer(model, TrainConfig(optimizer="adamw"))
     with pytest.raises(RunDirError) as refused:

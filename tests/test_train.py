@@ -32,7 +32,8 @@ from adaspan.checkpoint import (
 from adaspan.config import TrainConfig
 from adaspan.data import load_corpus
 from adaspan.evaluate import evaluate
-from adaspan.train import build_optimizer, build_scheduler, lr_factor, train, train_step
+from adaspan.optim import build_optimizer, build_scheduler, lr_factor
+from adaspan.train import train, train_step
 
 RECORD_FIELDS = {"step", "train_bpc", "valid_bpc", "lr", "chars_per_s", "avg_span", "max_span",
                  "layer_avg_span", "layer_max_span", "elapsed"}

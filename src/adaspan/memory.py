@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .config import TrainConfig
+from .distributed import Distributed
 from .model import SpanLM
 
 GB = 2**30
@@ -81,6 +83,30 @@ def _stderr_silenced() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def check_training_memory(
+    model: SpanLM, config: TrainConfig, device: torch.device, dist: Distributed
+) -> str:
+    """Estimate the peak memory of a training step (:mod:`adaspan.memory`); refuse with
+    MemoryError when it exceeds what is available, saying what to change. Returns the
+    estimate and the memory available, as one phrase for the log."""
+    streams = dist.share(config.batch_size)
+    estimate = estimate_training_memory(model, config.optimizer, streams // config.batch_split,
+                                        config.block_size)
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
+    available = available_memory(device, 1 if device.type == "cuda" else processes)
+    if estimate.total > available:
+        fits = [k for k in range(config.batch_split, streams + 1) if streams % k == 0
+                and estimate.with_streams(streams // k).total <= available]
+        advice = (f"batch_split={fits[0]} (a step then needs "
+                  f"{estimate.with_streams(streams // fits[0]).total / GB:.1f} GB), "
+                  if fits else "")
+        raise MemoryError(
+            f"a training step needs about {estimate.describe()} at the current spans, but "
+            f"{available / GB:.1f} GB of {device.type} memory are available: set {advice}a "
+            f"smaller block_size or batch_size, or a CPU preset (--preset cpu-small)")
+    return f"~{estimate.total / GB:.2f} GB of {available / GB:.1f} GB available"
 
 
 def available_memory(device: torch.device, processes: int = 1) -> int:

@@ -13,7 +13,6 @@ streams and gradients are averaged with DistributedDataParallel; only rank 0 wri
 from __future__ import annotations
 
 import math
-import os
 import random
 import signal
 import threading
@@ -48,58 +47,10 @@ from .config import ModelConfig, TrainConfig
 from .data import BlockStream, Corpus, load_corpus, resolve_data
 from .distributed import Distributed, resolve_device
 from .evaluate import evaluate
-from .memory import GB, available_memory, estimate_training_memory
+from .memory import check_training_memory
 from .metrics import MetricsLog
 from .model import SpanLM
-
-
-def lr_factor(step: int, config: TrainConfig) -> float:
-    """Multiplier of ``config.lr`` for optimiser step ``step`` (counted from 0).
-
-    Rises linearly from 0 to 1 over ``warmup`` steps (paper §3), then stays at 1, except the
-    last ``lr_drop_steps`` steps, which use ``lr_drop_factor``.
-    """
-    factor = min(1.0, step / config.warmup) if config.warmup else 1.0
-    if step >= config.steps - config.lr_drop_steps:
-        factor *= config.lr_drop_factor
-    return factor
-
-
-def build_optimizer(model: SpanLM, config: TrainConfig) -> torch.optim.Optimizer:
-    """Adagrad (paper) or AdamW; weight decay applies to matrices only, not to spans or norms."""
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    others = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": matrices, "weight_decay": config.weight_decay},
-              {"params": others, "weight_decay": 0.0}]
-    groups = [group for group in groups if group["params"]]
-    if config.optimizer == "adagrad":
-        return torch.optim.Adagrad(groups, lr=config.lr)
-    return torch.optim.AdamW(groups, lr=config.lr)
-
-
-def step_with_tensor_clip(optimizer: torch.optim.Optimizer, clip: float) -> None:
-    """``optimizer.step()`` with the step of each parameter tensor scaled by
-    min(1, clip / ||g||), ``g`` its gradient: the authors' per-tensor learning-rate clipping.
-
-    The optimiser itself sees the raw gradient (Adagrad accumulates g^2 unclipped). Scaling the
-    step equals scaling that tensor's learning rate for optimisers whose update is proportional
-    to it (Adagrad, AdamW, SGD): p <- p_old + s (p_stepped - p_old).
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]
-              if p.grad is not None]
-    norms = torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])
-    scales = (clip / (norms + 1e-10)).clamp(max=1.0).tolist()
-    before = {i: params[i].detach().clone() for i, s in enumerate(scales) if s < 1.0}
-    optimizer.step()
-    with torch.no_grad():
-        for i, old in before.items():
-            params[i].lerp_(old, 1.0 - scales[i])
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, config: TrainConfig
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+from .optim import build_optimizer, build_scheduler, lr_factor, step_with_tensor_clip
 
 
 def train_step(
@@ -255,36 +206,12 @@ def build_run(
         state.cache = state.cache.rows(dist.rows(config.batch_size))
     else:  # a new run, or one stopped before its first checkpoint
         state = TrainingState(0, 0, _empty_cache(model, config, dist))
-    memory = check_memory(model, config, device, dist)  # before anything is written
+    memory = check_training_memory(model, config, device, dist)  # before any write
     if dist.is_main and not resuming:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(run_dir, model_config, config)
     return Run(config, run_dir, device, dist, progress, corpus, model, optimizer, scheduler,
                state, memory)
-
-
-def check_memory(
-    model: SpanLM, config: TrainConfig, device: torch.device, dist: Distributed
-) -> str:
-    """Estimate the peak memory of a training step (:mod:`adaspan.memory`); refuse with
-    MemoryError when it exceeds what is available, saying what to change. Returns the
-    estimate and the memory available, as one phrase for the log."""
-    streams = dist.share(config.batch_size)
-    estimate = estimate_training_memory(model, config.optimizer, streams // config.batch_split,
-                                        config.block_size)
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
-    available = available_memory(device, 1 if device.type == "cuda" else processes)
-    if estimate.total > available:
-        fits = [k for k in range(config.batch_split, streams + 1) if streams % k == 0
-                and estimate.with_streams(streams // k).total <= available]
-        advice = (f"batch_split={fits[0]} (a step then needs "
-                  f"{estimate.with_streams(streams // fits[0]).total / GB:.1f} GB), "
-                  if fits else "")
-        raise MemoryError(
-            f"a training step needs about {estimate.describe()} at the current spans, but "
-            f"{available / GB:.1f} GB of {device.type} memory are available: set {advice}a "
-            f"smaller block_size or batch_size, or a CPU preset (--preset cpu-small)")
-    return f"~{estimate.total / GB:.2f} GB of {available / GB:.1f} GB available"
 
 
 def _load_corpus(config: TrainConfig, dist: Distributed, progress: bool) -> Corpus:
