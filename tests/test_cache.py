@@ -9,7 +9,7 @@ from helpers import tiny
 from reference import run_blocks
 
 from adaspan import cache as cache_module
-from adaspan.cache import KeyValueCache, StreamCache
+from adaspan.cache import KeyValueCache, StreamCache, advance
 
 # --- the training cache -------------------------------------------------------------------------
 
@@ -87,3 +87,11 @@ def test_key_value_cache_is_trimmed_per_layer_and_refused_in_training():
         assert layer_cache.keys.shape == layer_cache.values.shape == (2, 4, longest, 4)
     with pytest.raises(RuntimeError, match="no_grad"):
         model(torch.randint(0, 32, (2, 5)), cache)
+
+
+@pytest.mark.parametrize(("past", "block", "length"), [(21, 7, 48), (0, 7, 48), (60, 7, 48),
+                                                       (10, 50, 48), (3, 2, 4)])
+def test_advance_keeps_the_last_length_states(past, block, length):
+    states = torch.arange(past + block, dtype=torch.float32).view(1, -1, 1)
+    kept = advance(states[:, :past], states[:, past:], length)
+    torch.testing.assert_close(kept, states[:, -length:])

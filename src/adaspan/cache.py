@@ -32,7 +32,7 @@ def advance(past: Tensor, block: Tensor, length: int) -> Tensor:
     """The hidden-state cache for the next block: the last ``length`` states of ``past`` followed
     by ``block`` (detached: the next step recomputes their keys, no gradient flows back)."""
     keep = max(0, length - block.shape[1])  # states of the past still inside the new cache
-    return torch.cat([past[:, past.shape[1] - keep :], block.detach()], dim=1)[:, -length:]
+    return torch.cat([past[:, max(0, past.shape[1] - keep) :], block.detach()], dim=1)[:, -length:]
 
 
 @dataclass(frozen=True)
