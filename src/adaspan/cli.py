@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except KeyboardInterrupt as stop:  # a signal: training saved first (train.Interrupted)
-        print(f"\nadaspan: {stop or 'interrupted'}", file=sys.stderr)
+        if _is_main_process():
+            print(f"\nadaspan: {stop or 'interrupted'}", file=sys.stderr)
         return 128 + getattr(stop, "signum", 2)
     except _user_errors() as err:
         if args.debug:
@@ -56,6 +57,13 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
     return (CLIError, ValueError, OSError, FloatingPointError, MemoryError, DataError,
             RunDirError, PlotError)
+
+
+def _is_main_process() -> bool:
+    """False in the processes of a torchrun job other than rank 0 (one message, not one each)."""
+    from .distributed import Distributed
+
+    return Distributed.from_env().is_main
 
 
 def _one_line(err: Exception) -> str:
@@ -133,7 +141,6 @@ def _train(args: argparse.Namespace) -> int:
     Options apply in order: defaults (the paper's small model) < --preset < --config FILE <
     the options below < KEY=VALUE overrides."""
     from .checkpoint import load_run_config, new_run_dir
-    from .distributed import Distributed
     from .presets import resolve_config
     from .train import train
 
@@ -150,7 +157,7 @@ def _train(args: argparse.Namespace) -> int:
         run_dir = args.run_dir or new_run_dir(args.preset or "run")
     summary = train(model_config, train_config, run_dir, resume=bool(args.resume),
                     progress=not args.no_progress)
-    if Distributed.from_env().is_main:  # under torchrun: one summary, not one per process
+    if _is_main_process():  # under torchrun: one summary, not one per process
         print(json.dumps(_rounded(summary)))
     return 0
 
