@@ -368,3 +368,14 @@ def test_missing_matplotlib_is_one_line(finished_run, tmp_path, monkeypatch, cap
     assert main(["inspect", str(finished_run / "run"), "--plot", str(tmp_path)]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("adaspan: error: plots need matplotlib")
+
+
+def test_a_hostile_checkpoint_of_the_authors_is_refused(tmp_path, capsys):
+    marker = tmp_path / "payload-ran"
+    hostile = tmp_path / "model.pt"
+    hostile.write_bytes(pickle.dumps({"model": _Payload(marker)}, protocol=2))
+    assert main(["convert-official", str(hostile), str(tmp_path / "out"), "--data",
+                 str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    assert "could run code" in err and "weights_only" not in err

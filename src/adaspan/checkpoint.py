@@ -332,18 +332,31 @@ def _load_state(path: Path, device: str | torch.device) -> dict:
     code execution); a file that is not one is refused as such."""
     try:
         if path.name == LEGACY_STATE_FILE:
-            return torch.load(path, map_location=device, weights_only=True)
+            return load_pickled_tensors(path, device)
         with safe_open(path, framework="pt", device=str(device)) as stored:
             tensors = {key: stored.get_tensor(key) for key in stored.keys()}  # noqa: SIM118
             tree = json.loads((stored.metadata() or {})["state"])
         return _from_tree(tree, tensors)
-    except (OSError, RuntimeError, EOFError, SafetensorError, pickle.UnpicklingError,
-            KeyError, ValueError, TypeError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if path.name == LEGACY_STATE_FILE:  # never relay advice to disable the check
-            reason = "not a training state of adaspan (it holds other objects or code)"
+    except (OSError, SafetensorError, KeyError, ValueError, TypeError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
         raise RunDirError(f"cannot read {path}: {reason}; it is refused as it is: restore "
                           "it from a backup or start the run over") from None
+
+
+def load_pickled_tensors(path: Path, device: str | torch.device = "cpu") -> object:
+    """A PyTorch file (pickle) read with ``torch.load(weights_only=True)``: tensors and plain
+    containers only, so that it cannot run code. Any other file is refused with ValueError,
+    whose message never suggests lifting the restriction."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "GLOBAL" in str(exc):  # torch refused to import something: code, or objects
+            raise ValueError(f"{path} holds objects other than tensors and plain values; "
+                             "adaspan does not load it, as that could run code") from None
+        raise ValueError(f"{path} is not a PyTorch file (it cannot be unpickled)") from None
+    except (RuntimeError, EOFError, AttributeError, ImportError) as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{path} is not a PyTorch file: {first_line}") from None
 
 
 def _to_tree(value: object, tensors: dict[str, torch.Tensor]) -> object:

@@ -25,7 +25,13 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .checkpoint import WEIGHTS_FILE, RunDirError, atomic_write, save_config
+from .checkpoint import (
+    WEIGHTS_FILE,
+    RunDirError,
+    atomic_write,
+    load_pickled_tensors,
+    save_config,
+)
 from .config import ModelConfig, TrainConfig
 from .model import SpanLM
 
@@ -57,12 +63,7 @@ _MODEL_TENSORS = {"embed.weight": "in_emb.weight", "out.weight": "out_emb.weight
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], int]:
     """The model state dict (``module.`` prefix removed) and ``iter_no`` (0 if absent) of a
     checkpoint of the authors' trainer, or of a bare state dict."""
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # unpickling can fail in many ways: report every one in one line
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        raise ValueError(f"cannot read {path} as a PyTorch checkpoint: "
-                         f"{type(exc).__name__}: {first_line}") from exc
+    saved = load_pickled_tensors(Path(path))
     if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
         state, step = saved["model"], saved.get("iter_no", 0)
     else:
