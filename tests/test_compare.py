@@ -169,3 +169,11 @@ def test_cli_minutes_budget_prints_markdown(tmp_path, capsys):
 def test_cli_unknown_method_is_one_line_error(tmp_path, capsys):
     assert main(["compare", "--methods", "fixed,bogus", "--out", str(tmp_path / "out")]) == 2
     assert "unknown method(s) 'bogus'" in capsys.readouterr().err
+
+
+def test_runs_of_a_relative_corpus_path_are_reused(tmp_path, monkeypatch, corpus_file):
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(corpus_file, tmp_path / "text.txt")
+    _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"], evaluate_test=False)
+    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"], evaluate_test=False)

@@ -30,7 +30,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +151,14 @@ def load_run_config(run_dir: str | Path) -> tuple[ModelConfig, TrainConfig]:
     """The model and train configurations saved in ``run_dir``."""
     saved = read_config(run_dir)
     return ModelConfig.from_dict(saved["model"]), TrainConfig.from_dict(saved["train"])
+
+
+def stored_form(config: TrainConfig) -> TrainConfig:
+    """``config`` as a run directory stores it: corpus paths absolute (a built-in corpus keeps
+    its name), so that the run can be evaluated and resumed from any working directory."""
+    data_dir = (None if config.data_dir is None
+                else str(Path(config.data_dir).expanduser().resolve()))
+    return replace(config, data=resolve_data(config.data), data_dir=data_dir)
 
 
 def new_run_dir(name: str) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .analysis import PlotError, flops_per_char, span_summary
-from .checkpoint import RunDirError, atomic_write, load_model, load_run_config
+from .checkpoint import RunDirError, atomic_write, load_model, load_run_config, stored_form
 from .config import ModelConfig, TrainConfig
 from .data import load_corpus
 from .distributed import resolve_device
@@ -132,7 +132,8 @@ def _train_or_reuse(
     """The training summary of ``run_dir``: reused if it holds a finished run of these
     configurations, otherwise from training a new run there."""
     summary_file = run_dir / SUMMARY_FILE
-    if summary_file.is_file() and load_run_config(run_dir) == (model_config, train_config):
+    stored = (model_config, stored_form(train_config))
+    if summary_file.is_file() and load_run_config(run_dir) == stored:
         log(f"{run_dir}: finished run with the same configuration, reused")
         return json.loads(summary_file.read_text())
     if run_dir.exists() and any(run_dir.iterdir()):

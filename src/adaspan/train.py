@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,9 +42,10 @@ from .checkpoint import (
     rng_state,
     save_checkpoint,
     save_config,
+    stored_form,
 )
 from .config import ModelConfig, TrainConfig
-from .data import BlockStream, Corpus, load_corpus, resolve_data
+from .data import BlockStream, Corpus, load_corpus
 from .distributed import Distributed, resolve_device
 from .evaluate import evaluate
 from .memory import check_training_memory
@@ -117,8 +118,7 @@ def train(
     ``elapsed`` and ``stopped`` ("completed" or "time_budget").
     """
     dist = Distributed.from_env()
-    train_config = replace(train_config, data=resolve_data(train_config.data), data_dir=(
-        None if train_config.data_dir is None else resolve_data(train_config.data_dir)))
+    train_config = stored_form(train_config)
     owns_group = dist.active and not torch_dist.is_initialized()
     device = resolve_device(train_config.device, dist.local_rank)
     if owns_group:
