@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TRAIN_MODEL, run_quietly, tiny_train_config
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from adaspan import SpanLM
 from adaspan.cache import StreamCache
 from adaspan.checkpoint import (
+    LEGACY_STATE_FILE,
+    STATE_FILE,
+    WEIGHTS_FILE,
     RunDirError,
     atomic_write,
     load_model,
@@ -23,6 +26,7 @@ from adaspan.checkpoint import (
     load_training_state,
     new_run_dir,
     prepare_run_dir,
+    read_state,
     save_checkpoint,
     save_config,
 )
@@ -169,3 +173,21 @@ def test_save_config_writes_both_sections(tmp_path):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model"] == TRAIN_MODEL.to_dict() and saved["train"] == config.to_dict()
     assert load_run_config(tmp_path) == (TRAIN_MODEL, config)
+
+
+def test_a_run_of_adaspan_0_2_resumes_from_its_state_pt(tmp_path, corpus_file):
+    """0.2 wrote the training state with torch.save, without the weights; it resumes (read
+    without pickle's code execution) exactly as a run saved by this version."""
+    current, legacy = tmp_path / "current", tmp_path / "legacy"
+    config = tiny_train_config(corpus_file, steps=3)
+    run_quietly(current, config)
+    run_quietly(legacy, config)
+    state = read_state(legacy / STATE_FILE)
+    del state["model"]
+    torch.save(state, legacy / LEGACY_STATE_FILE)
+    (legacy / STATE_FILE).unlink()
+    for run in (current, legacy):
+        run_quietly(run, dataclasses.replace(config, steps=5), resume=True)
+    assert not (legacy / LEGACY_STATE_FILE).exists()  # superseded by the new state file
+    for name, tensor in load_file(current / WEIGHTS_FILE).items():
+        assert torch.equal(load_file(legacy / WEIGHTS_FILE)[name], tensor), name

@@ -311,7 +311,7 @@ def load_training_state(
     """Restore weights, optimiser, scheduler and the RNG states of ``rank`` from ``run_dir``."""
     run_dir = Path(run_dir)
     path = _state_path(run_dir) or _require_file(run_dir, STATE_FILE)
-    state = _load_state(path, device)
+    state = read_state(path, device)
     if "model" in state:
         _load_state_dict(model, state["model"], path)
     elif (weights_step := load_weights(run_dir, model)) != state["step"]:  # a 0.1-0.2 run
@@ -335,7 +335,7 @@ def _save_state(state: dict, path: Path) -> None:
               metadata={"state": json.dumps(tree)})
 
 
-def _load_state(path: Path, device: str | torch.device) -> dict:
+def read_state(path: Path, device: str | torch.device = "cpu") -> dict:
     """What :func:`_save_state` wrote (or an adaspan 0.1-0.2 ``state.pt``, without pickle's
     code execution); a file that is not one is refused as such."""
     try:
