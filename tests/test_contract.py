@@ -172,35 +172,20 @@ CHECKS = [check_causal, check_blocks_equal_one_pass, check_cache_reaches_back,
 # --- every registered variant ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attention", VARIANTS)
-def test_causal(attention):
-    check_causal(attention)
+CHECKS = [check_causal, check_blocks_equal_one_pass, check_cache_reaches_back, check_gradients,
+          check_train_step]
 
 
 @pytest.mark.parametrize("attention", VARIANTS)
-def test_block_by_block_equals_one_pass(attention):
-    check_blocks_equal_one_pass(attention)
-
-
-@pytest.mark.parametrize("attention", VARIANTS)
-def test_cache_reaches_into_previous_blocks(attention):
-    check_cache_reaches_back(attention)
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__[len("check_"):])
+def test_contract(check, attention):
+    check(attention)
 
 
 @pytest.mark.parametrize("attention", VARIANTS)
 @pytest.mark.parametrize("truncation", TRUNCATIONS)
 def test_key_value_cache_equals_hidden_state_cache(attention, truncation):
     check_key_value_cache(attention, truncation)
-
-
-@pytest.mark.parametrize("attention", VARIANTS)
-def test_training_step_gives_finite_gradients_to_every_parameter(attention):
-    check_gradients(attention)
-
-
-@pytest.mark.parametrize("attention", VARIANTS)
-def test_train_step_carries_a_stream_cache_and_batch_split_changes_nothing(attention):
-    check_train_step(attention)
 
 
 # --- a variant added outside the package ------------------------------------------------------
