@@ -278,14 +278,16 @@ class _Loop:
         try:
             with bar, _deferred_signals() as received:
                 while state.step < config.steps:
-                    self._step()
-                    self._show(bar)
+                    nll = self._step()
                     over_budget = (config.time_budget is not None
                                    and time.monotonic() - self.start > config.time_budget)
                     signum = received()
-                    over_budget, sigint, sigterm = self.dist.agree(
-                        [over_budget, signum == signal.SIGINT, signum == signal.SIGTERM],
-                        self.device)
+                    diverged, over_budget, sigint, sigterm = self.dist.agree(
+                        [self._diverged(nll), over_budget, signum == signal.SIGINT,
+                         signum == signal.SIGTERM], self.device)  # every rank stops together
+                    if diverged:
+                        self._stop_diverged(nll)
+                    self._show(bar)
                     done = state.step >= config.steps
                     self._record_and_save(done or over_budget, sigint or sigterm)
                     if (sigint or sigterm) and not done:
@@ -305,8 +307,9 @@ class _Loop:
                 self.metrics.close()
         return self._summary(stopped)
 
-    def _step(self) -> None:
-        """Train on the next block; wrap to block 0 with a fresh cache after the last one."""
+    def _step(self) -> float:
+        """Train on the next block (wrapping to block 0 with a fresh cache after the last one);
+        return its loss."""
         state = self.state
         if state.position >= len(self.stream):
             state.position, state.cache = 0, _empty_cache(self.model, self.config, self.dist)
@@ -317,23 +320,26 @@ class _Loop:
         nll, state.cache = train_step(self.model, setup.optimizer, setup.scheduler, x, y,
                                       state.cache, self.config, setup.net)
         seconds = time.monotonic() - tic
-        self._check_divergence(nll, state.step + 1)
         self.window.add(nll, seconds)
         self.total.add(nll, seconds)
         state.step += 1
         state.position += 1
+        return nll
 
-    def _check_divergence(self, nll: float, step: int) -> None:
-        """Stop when the loss is NaN/inf or far above a uniform guess (2 log2 V bits)."""
-        bits, uniform = nll / math.log(2), math.log2(self.model.config.vocab_size)
-        if math.isfinite(bits) and bits <= 2 * uniform:
-            return
+    def _diverged(self, nll: float) -> bool:
+        """Whether the loss is NaN/inf or far above a uniform guess (2 log2 V bits)."""
+        bits = nll / math.log(2)
+        return not (math.isfinite(bits) and bits <= 2 * math.log2(self.model.config.vocab_size))
+
+    def _stop_diverged(self, nll: float) -> None:
         kept = (f"the checkpoint of step {self.saved_step} is kept" if self.saved_step
                 else "no checkpoint was written (resume restarts from step 0)")
+        uniform = math.log2(self.model.config.vocab_size)
         raise FloatingPointError(
-            f"training diverged at step {step}: loss {bits:.4g} bits per character, against "
-            f"{uniform:.0f} for a uniform guess; {kept}; try a lower lr (now "
-            f"{self.config.lr:g}) or stronger clipping (clip={self.config.clip:g})")
+            f"training diverged at step {self.state.step}: loss {nll / math.log(2):.4g} bits "
+            f"per character (on this process), against {uniform:.0f} for a uniform guess; "
+            f"{kept}; try a lower lr (now {self.config.lr:g}) or stronger clipping "
+            f"(clip={self.config.clip:g})")
 
     def _record_and_save(self, finishing: bool, interrupt: bool) -> None:
         """Log (and validate) or checkpoint when the step calls for it."""
