@@ -12,6 +12,7 @@ streams and gradients are averaged with DistributedDataParallel; only rank 0 wri
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import signal
@@ -126,11 +127,11 @@ def train(
             torch.cuda.set_device(device)
         torch_dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        setup = build_run(model_config, train_config, Path(run_dir), resume, device, dist,
-                          progress and dist.is_main)
-        return _Loop(setup, log if dist.is_main else _silent).run()
+        return _Loop(build_run(model_config, train_config, Path(run_dir), resume, device, dist,
+                               progress and dist.is_main), log if dist.is_main else _silent).run()
     finally:
-        if owns_group:
+        if owns_group:  # DistributedDataParallel (in reference cycles) goes before its group
+            gc.collect()
             torch_dist.destroy_process_group()
 
 
