@@ -14,10 +14,10 @@ Nothing is read with pickle, so a run directory from elsewhere cannot run code (
 ``state.pt`` of adaspan 0.1-0.2 runs is read with ``torch.load(weights_only=True)``).
 
 Each file of a checkpoint is written to a temporary file in the run directory, flushed and
-fsynced; only then are all of them renamed into place, one right after the other. An
-interrupted save leaves the previous checkpoint readable (its temporary files are removed at
-the next start), and the step stored in both the weights and the state detects the (tiny)
-window in which they could disagree.
+fsynced; only then are all of them renamed into place, one right after the other, the training
+state last. The state holds the weights too and is all that resuming reads, so a save
+interrupted at any moment leaves one consistent checkpoint, the previous or the new one (its
+temporary files are removed at the next start).
 """
 
 from __future__ import annotations
@@ -89,12 +89,11 @@ def atomic_write(files: dict[Path, Callable[[Path], None]]) -> None:
         _fsync_dir(folder)
 
 
-def remove_temporaries(run_dir: Path) -> list[Path]:
-    """Delete the temporary files that an interrupted :func:`atomic_write` left; return them."""
-    stale = [path for path in run_dir.glob(f".*{TEMP_SUFFIX}") if path.is_file()]
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return stale
+def remove_temporaries(run_dir: Path) -> None:
+    """Delete the temporary files that an interrupted :func:`atomic_write` left."""
+    for path in run_dir.glob(f".*{TEMP_SUFFIX}"):
+        if path.is_file():
+            path.unlink(missing_ok=True)
 
 
 def _umask() -> int:
