@@ -48,7 +48,7 @@ def test_appends_in_place_and_keeps_the_last_history_positions():
     assert k.flatten().tolist() == [0, 0, 0, 0, 0, 1, 2]  # zeros where there is no history
     k, _, second = first.extend(keys[:, :, 3:], keys[:, :, 3:], history=4)
     assert k.flatten().tolist() == [0, 0, 1, 2, 3, 4, 5]
-    assert second.key_buffer is first.key_buffer  # appended, not copied
+    assert second.buffers is first.buffers  # appended, not copied
     assert second.keys.flatten().tolist() == [2, 3, 4, 5]
     assert first.keys.flatten().tolist() == [0, 0, 1, 2]  # the earlier cache is unchanged
 
@@ -65,6 +65,40 @@ def test_a_cache_extended_twice_gives_both_continuations():
             tokens = torch.cat([prompt, *tail], dim=1)
             expected = run_blocks(lm, tokens, 30)[:, -out.shape[1] :]
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_full_buffers_move_the_history_to_their_front_in_place():
+    keys = torch.arange(12, dtype=torch.float32).view(1, 1, 12, 1)
+    cache = KeyValueCache.empty(keys[:, :, :0])
+    caches = []
+    for start in range(0, 12, 2):  # blocks of 2, history 3: buffers of 3 + 2 + 256 positions
+        k, v, cache = cache.extend(keys[:, :, start : start + 2], -keys[:, :, start : start + 2],
+                                   history=3)
+        caches.append(cache)
+        expected = [max(0, i) for i in range(start - 3, start + 2)]
+        assert k.flatten().tolist() == expected and v.flatten().tolist() == [-e for e in expected]
+    assert all(c.buffers is caches[0].buffers for c in caches)  # never full here
+
+
+@pytest.mark.parametrize("keep_old", [False, True])
+def test_moving_the_history_never_drops_what_a_live_cache_reads(monkeypatch, keep_old):
+    monkeypatch.setattr(cache_module, "HEADROOM", 1)  # buffers of 3 + 2 + 3 positions
+    keys = torch.arange(1, 21, dtype=torch.float32).view(1, 1, 20, 1)
+    cache = KeyValueCache.empty(keys[:, :, :0])
+    first = None
+    buffers = set()
+    for start in range(0, 20, 2):
+        k, _, cache = cache.extend(keys[:, :, start : start + 2], keys[:, :, start : start + 2],
+                                   history=3)
+        first = first or cache
+        buffers.add(id(cache.buffers.keys))
+        assert k.flatten().tolist() == [max(0, i) for i in range(start - 2, start + 3)]
+        if not keep_old:
+            first = cache
+    if keep_old:  # the first cache pins its buffers: the stream moved on to new ones
+        assert first.keys.flatten().tolist() == [0, 1, 2] and len(buffers) > 1
+    else:  # only the last cache is alive: one pair of buffers, its history moved in place
+        assert len(buffers) == 1 and cache.keys.flatten().tolist() == [18, 19, 20]
 
 
 @pytest.mark.parametrize("headroom", [1, 3, 256])

@@ -9,8 +9,9 @@ nor copies the whole history.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,35 +66,88 @@ class StreamCache:
         return StreamCache([layer.detach().to(device) for layer in self.layers])
 
 
-@dataclass(frozen=True)
-class KeyValueCache:
-    """Keys and values of the cached positions, per head (inference only, weights fixed).
+class _Buffers:
+    """Keys and values of one stream, shared by its successive caches: slot ``i`` of the buffers
+    (B, H, capacity, d_head) holds position ``offset + i``; positions up to ``written`` were
+    written, each once. ``caches`` are the live caches reading them."""
 
-    They live in buffers (B, H, capacity, d_head) shared by the successive caches of a stream;
-    this cache owns positions ``start`` to ``end``. :meth:`extend` writes the next block after
-    ``end`` in place unless another cache already wrote there (``written``, shared by the caches
-    of one buffer, records how far), in which case it copies into a new buffer: a cache stays
-    valid and can be extended more than once (e.g. to sample several continuations).
+    def __init__(self, keys: Tensor, values: Tensor, offset: int, written: int) -> None:
+        self.keys, self.values, self.offset, self.written = keys, values, offset, written
+        self.caches: weakref.WeakSet[KeyValueCache] = weakref.WeakSet()
+
+    @classmethod
+    def starting_with(cls, keys: Tensor, values: Tensor, end: int, history: int,
+                      block: Tensor) -> _Buffers:
+        """New buffers (of ``block``'s dtype and device) holding the last ``history`` positions
+        before ``end`` (``keys``/``values`` (B, H, <= history, d_head), left-padded with zeros)
+        and room for the ``block`` (B, H, M, d_head) and
+        at least ``history``, ``HEADROOM`` and one block more, so that the history is moved
+        at most once every ``history / block`` blocks. The room is left unset: it is written
+        before it is read."""
+        B, H, M, d_head = block.shape
+        capacity = history + M + max(M, HEADROOM, history)
+        buffers = []
+        for kept in (keys, values):
+            buffer = block.new_empty(B, H, capacity, d_head)
+            kept = kept[:, :, max(0, kept.shape[2] - history) :]
+            buffer[:, :, : history - kept.shape[2]] = 0
+            buffer[:, :, history - kept.shape[2] : history] = kept
+            buffers.append(buffer)
+        return cls(*buffers, offset=end - history, written=end)
+
+    def window(self, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """Keys and values of positions ``start`` to ``end`` (views)."""
+        rows = slice(start - self.offset, end - self.offset)
+        return self.keys[:, :, rows], self.values[:, :, rows]
+
+    def make_room(self, history: int, block: int) -> bool:
+        """Room for ``block`` positions after ``written`` by moving the last ``history`` of them
+        to the front, in place, so that no memory is allocated (fresh memory is slow to touch).
+        False when a live cache reads a position that would be dropped, or the moved positions
+        would overlap their target: new buffers are needed."""
+        if self.written + block - self.offset <= self.keys.shape[2]:
+            return True
+        offset = self.written - history
+        if (offset - self.offset < history or history + block > self.keys.shape[2]
+                or any(cache.start < offset for cache in self.caches)):
+            return False
+        for buffer in (self.keys, self.values):
+            buffer[:, :, :history] = buffer[:, :, offset - self.offset : self.written - self.offset]
+        self.offset = offset
+        return True
+
+
+@dataclass(frozen=True, eq=False)
+class KeyValueCache:
+    """Keys and values of the cached positions ``start`` to ``end``, per head (inference only,
+    weights fixed).
+
+    They live in buffers shared by the successive caches of a stream. :meth:`extend` writes
+    the next block after ``end`` in place; when the buffers are full, the history is moved to
+    their front, unless a live cache still reads what that drops. A cache stays valid and can
+    be extended more than once (e.g. to sample several continuations): a cache that is not the
+    last of its buffers continues in new ones.
     """
 
-    key_buffer: Tensor
-    value_buffer: Tensor
+    buffers: _Buffers
     start: int = 0
     end: int = 0
-    written: list[int] = field(default_factory=lambda: [0])
+
+    def __post_init__(self) -> None:
+        self.buffers.caches.add(self)
 
     @classmethod
     def empty(cls, like: Tensor) -> KeyValueCache:
         """No history; ``like`` (B, H, 0, d_head) gives shape, dtype and device."""
-        return cls(like, like)
+        return cls(_Buffers(like, like, offset=0, written=0))
 
     @property
     def keys(self) -> Tensor:
-        return self.key_buffer[:, :, self.start : self.end]
+        return self.buffers.window(self.start, self.end)[0]
 
     @property
     def values(self) -> Tensor:
-        return self.value_buffer[:, :, self.start : self.end]
+        return self.buffers.window(self.start, self.end)[1]
 
     def extend(
         self, keys: Tensor, values: Tensor, history: int
@@ -101,41 +155,23 @@ class KeyValueCache:
         """Keys and values of the last ``history`` cached positions (zeros where there is no
         history) followed by the block's ``keys``/``values`` (B, H, M, d_head), and the cache of
         the last ``history`` positions of that."""
-        M = keys.shape[2]
-        if self._can_append(keys, history):
-            key_buffer, value_buffer, end, written = (self.key_buffer, self.value_buffer,
-                                                      self.end, self.written)
-        else:
-            key_buffer, value_buffer = (_copy_into_new_buffer(old, new, history)
-                                        for old, new in ((self.keys, keys),
-                                                         (self.values, values)))
-            end, written = history, [history]
-        key_buffer[:, :, end : end + M] = keys
-        value_buffer[:, :, end : end + M] = values
-        written[0] = end + M
-        window = slice(end - history, end + M)
-        following = KeyValueCache(key_buffer, value_buffer, end + M - history, end + M, written)
-        return key_buffer[:, :, window], value_buffer[:, :, window], following
+        M, end = keys.shape[2], self.end
+        buffers = self.buffers
+        if not (self._is_last(keys, history) and buffers.make_room(history, M)):
+            buffers = _Buffers.starting_with(*buffers.window(self.start, end), end, history, keys)
+        rows = slice(end - buffers.offset, end + M - buffers.offset)
+        buffers.keys[:, :, rows] = keys
+        buffers.values[:, :, rows] = values
+        buffers.written = end + M
+        return (*buffers.window(end - history, end + M),
+                KeyValueCache(buffers, end + M - history, end + M))
 
-    def _can_append(self, keys: Tensor, history: int) -> bool:
-        return (self.end == self.written[0] and self.end - self.start >= history
-                and self.end + keys.shape[2] <= self.key_buffer.shape[2]
-                and self.key_buffer.dtype == keys.dtype
-                and self.key_buffer.device == keys.device)
+    def _is_last(self, keys: Tensor, history: int) -> bool:
+        """Whether the block can follow in this cache's buffers: nothing was written after it,
+        it holds the history and the buffers hold its dtype and device."""
+        buffer = self.buffers.keys
+        return (self.end == self.buffers.written and self.end - self.start >= history
+                and buffer.dtype == keys.dtype and buffer.device == keys.device)
 
 
 Cache = list[Tensor | KeyValueCache]  # what SpanLM.forward takes and returns: one per layer
-
-
-def _copy_into_new_buffer(old: Tensor, new: Tensor, history: int) -> Tensor:
-    """A buffer with the last ``history`` positions of ``old`` ending at ``history`` (zeros
-    before them where ``old`` is shorter) and room for ``new`` and at least ``history``,
-    ``HEADROOM`` and one block more: copying the history is then amortised over at least
-    ``history / M`` blocks. The room after ``history`` is left unset: it is written before
-    it is read."""
-    B, H, M, d_head = new.shape
-    buffer = new.new_empty(B, H, history + M + max(M, HEADROOM, history), d_head)
-    kept = old[:, :, max(0, old.shape[2] - history) :]
-    buffer[:, :, : history - kept.shape[2]] = 0
-    buffer[:, :, history - kept.shape[2] : history] = kept
-    return buffer
