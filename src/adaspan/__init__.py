@@ -4,13 +4,6 @@ Implements "Adaptive Attention Span in Transformers" (Sukhbaatar et al., ACL 201
 attention methods it is compared against.
 """
 
-import os
-
-# Large tensors (attention score tiles, activations) are allocated and freed every step; on
-# Linux, backing them with transparent huge pages avoids most of the page faults of fresh
-# allocations (measured 1.2-2x faster steps on CPU). Set THP_MEM_ALLOC_ENABLE=0 to opt out.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
 from ._version import __version__
 from .attention import Attention, SpanAttention, banded_attention
 from .baselines import FactorizedAttention, VanillaAttention, XLAttention
