@@ -80,10 +80,9 @@ class _Buffers:
                       block: Tensor) -> _Buffers:
         """New buffers (of ``block``'s dtype and device) holding the last ``history`` positions
         before ``end`` (``keys``/``values`` (B, H, <= history, d_head), left-padded with zeros)
-        and room for the ``block`` (B, H, M, d_head) and
-        at least ``history``, ``HEADROOM`` and one block more, so that the history is moved
-        at most once every ``history / block`` blocks. The room is left unset: it is written
-        before it is read."""
+        and room for the ``block`` (B, H, M, d_head) and at least ``history``, ``HEADROOM`` and
+        one block more, so that the history is moved at most once every ``history / M``
+        blocks. The room is left unset: it is written before it is read."""
         B, H, M, d_head = block.shape
         capacity = history + M + max(M, HEADROOM, history)
         buffers = []
