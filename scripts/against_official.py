@@ -2,11 +2,13 @@
 
 Usage:
     python scripts/against_official.py --official ../shared/anchors/bench_official.py \
-        [--configs reference,fixed-1024,...] [--rounds 3] [--steps 8] [--out results.json]
+        [--configs reference,fixed-1024,...] [--rounds 3] [--steps 8] [--out results.json] \
+        [--as-provided]
 
 For each configuration, each round runs `adaspan bench` (``--statistic mean``) and the authors'
 benchmark script (same model, spans, batch and block; the mean of ``--steps`` steps after one
-warm-up step, each in a fresh process), one after the other; a configuration's figure is the
+warm-up step, each in a fresh process; the authors' learning rate pinned so that their spans
+stay put, see ``PINNED_SPANS``), one after the other; a configuration's figure is the
 median over the rounds of each side, and the ratio is adaspan / authors of those medians. Every
 round is printed too, with the machine's fp32 matmul rate measured by adaspan in that round.
 Prints JSON lines (one per round, then one per configuration), then a Markdown table.
@@ -43,9 +45,26 @@ def adaspan(config: tuple, steps: int) -> dict:
     return _json(cmd)
 
 
-def authors(official: Path, config: tuple, steps: int) -> dict:
+# Runs the authors' benchmark script with the learning rate of its Adagrad pinned to adaspan
+# bench's 1e-9, so that their spans stay at the configuration measured, as adaspan's do. At the
+# script's own lr of 0.07 the first step moves a span by hundreds of tokens (spans 32/64/128/1024
+# became 32/32/32/451 in one layer and 605/32/701/451 in the next), so the steps it times are
+# of other spans than those asked for. The cost of an Adagrad step does not depend on its lr.
+PINNED_SPANS = """
+import runpy, sys, torch
+class Adagrad(torch.optim.Adagrad):
+    def __init__(self, params, lr=0.0, **kwargs):
+        super().__init__(params, lr=1e-9, **kwargs)
+torch.optim.Adagrad = Adagrad
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def authors(official: Path, config: tuple, steps: int, as_provided: bool = False) -> dict:
     layers, d, heads, inner, span, spans, block, batch = config
-    cmd = [sys.executable, str(official), "--layers", str(layers), "--hidden", str(d),
+    runner = [sys.executable] if as_provided else [sys.executable, "-c", PINNED_SPANS]
+    cmd = [*runner, str(official), "--layers", str(layers), "--hidden", str(d),
            "--heads", str(heads), "--inner", str(inner), "--span", str(span), "--spans", spans,
            "--block", str(block), "--batch", str(batch), "--steps", str(steps), "--ramp", "32"]
     return _json(cmd)
@@ -56,11 +75,11 @@ def _json(cmd: list[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def measure(name: str, official: Path, rounds: int, steps: int) -> dict:
+def measure(name: str, official: Path, rounds: int, steps: int, as_provided: bool) -> dict:
     """Alternating rounds of one configuration; medians and ratios."""
     config, rows = CONFIGS[name], []
     for round_ in range(rounds):
-        ours, theirs = adaspan(config, steps), authors(official, config, steps)
+        ours, theirs = adaspan(config, steps), authors(official, config, steps, as_provided)
         row = {"config": name, "round": round_ + 1, "matmul_gflops": ours["matmul_gflops"],
                **{f"{side}_{kind}": figures[f"{kind}_chars_per_s"]
                   for side, figures in (("adaspan", ours), ("authors", theirs))
@@ -102,13 +121,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, help="also write the results as JSON")
+    parser.add_argument("--as-provided", action="store_true",
+                        help="run the authors' script unchanged: its Adagrad (lr 0.07) moves "
+                             "the spans during the timed steps (default: lr pinned to 1e-9)")
     args = parser.parse_args()
     names = [name.strip() for name in args.configs.split(",") if name.strip()]
     unknown = [name for name in names if name not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from "
                      f"{', '.join(CONFIGS)}")
-    results = [measure(name, args.official, args.rounds, args.steps) for name in names]
+    results = [measure(name, args.official, args.rounds, args.steps, args.as_provided)
+               for name in names]
     for result in results:
         print(json.dumps({k: v for k, v in result.items() if k != "rounds"}))
     if args.out:
