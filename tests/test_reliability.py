@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TRAIN_MODEL
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -32,8 +33,7 @@ from adaspan.memory import estimate_training_memory, profiled_peak
 from adaspan.optim import build_optimizer, build_scheduler
 from adaspan.train import train_step
 
-MODEL = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
-                    span_bucket=8, span_init=0.3, dropout=0.2)
+MODEL = TRAIN_MODEL
 STEPS = 12
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

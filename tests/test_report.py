@@ -9,9 +9,11 @@ import json
 import re
 import shutil
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
+from helpers import TRAIN_MODEL
 
 from adaspan import ModelConfig, TrainConfig
 from adaspan.analysis import compare_figure
@@ -32,8 +34,7 @@ from adaspan.report import (
 )
 from adaspan.train import train
 
-MODEL = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
-                    span_bucket=8, span_init=0.3, dropout=0.1)
+MODEL = replace(TRAIN_MODEL, dropout=0.1)
 LIMITS = (16, 32, 64, 128)
 FIGURES = ["fig-bpc", "fig-span-history", "fig-spans", "fig-cost"]
 PNG = b"\x89PNG\r\n\x1a\n"
