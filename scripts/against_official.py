@@ -32,16 +32,26 @@ CONFIGS = {
     "wide": (4, 512, 8, 2048, 8192, "32,64,128,1024", 256, 4),
     "spans-256": (4, 256, 4, 1024, 4096, "64,256,256,512", 256, 8),
     "block-512": (4, 256, 4, 1024, 8192, "32,64,128,1024", 512, 4),
+    "block-128": (4, 256, 4, 1024, 8192, "32,64,128,1024", 128, 16),
+    "heads-8": (4, 256, 8, 1024, 8192, "32,64,128,1024", 256, 8),
+    "init": (4, 256, 4, 1024, 8192, "32", 256, 8),
+    "long-spans": (4, 256, 4, 1024, 4096, "2048", 256, 8),
+    "odd": (6, 384, 6, 1536, 4096, "32,100,300,700,2000,48", 200, 6),
 }
 
 
+def model_options(config: tuple) -> list[str]:
+    """The configuration's model as adaspan's KEY=VALUE options."""
+    layers, d, heads, inner, span = config[:5]
+    return [f"n_layers={layers}", f"d_model={d}", f"n_heads={heads}", f"d_inner={inner}",
+            f"max_span={span}", "ramp=32", "dropout=0", "vocab_size=256"]
+
+
 def adaspan(config: tuple, steps: int) -> dict:
-    layers, d, heads, inner, span, spans, block, batch = config
-    cmd = [sys.executable, "-m", "adaspan.cli", "bench", f"n_layers={layers}", f"d_model={d}",
-           f"n_heads={heads}", f"d_inner={inner}", f"max_span={span}", "ramp=32", "dropout=0",
-           "vocab_size=256", "--spans", spans, "--block-size", str(block), "--batch-size",
-           str(batch), "--steps", str(steps), "--statistic", "mean", "--gen-chars", "2",
-           "--json"]
+    spans, block, batch = config[5:]
+    cmd = [sys.executable, "-m", "adaspan.cli", "bench", *model_options(config), "--spans",
+           spans, "--block-size", str(block), "--batch-size", str(batch), "--steps", str(steps),
+           "--statistic", "mean", "--gen-chars", "2", "--json"]
     return _json(cmd)
 
 

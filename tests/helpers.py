@@ -3,7 +3,9 @@ training runs. Imported as ``from helpers import ...`` (like ``reference``)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -91,3 +93,12 @@ def run_quietly(run_dir: Path, config: TrainConfig, model: ModelConfig = TRAIN_M
                 **kw) -> dict:
     """:func:`adaspan.train` without progress bar or log lines."""
     return train(model, config, run_dir, progress=False, log=lambda message: None, **kw)
+
+
+def load_script(name: str) -> ModuleType:
+    """The module of ``scripts/<name>.py`` (the scripts are not part of the package)."""
+    path = Path(__file__).parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

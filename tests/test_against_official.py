@@ -3,10 +3,9 @@ Adagrad's learning rate is pinned (a stand-in script here: tests never run the a
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import torch
+from helpers import load_script
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "against_official.py"
 STAND_IN = """
 import json, sys, torch
 optimizer = torch.optim.Adagrad([torch.zeros(1, requires_grad=True)], lr=0.07)
@@ -15,15 +14,8 @@ print(json.dumps({"lr": optimizer.defaults["lr"], "argv": sys.argv[1:], "file": 
 """
 
 
-def _against_official():
-    spec = importlib.util.spec_from_file_location("against_official", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_authors_learning_rate_is_pinned_unless_run_as_provided(tmp_path):
-    against_official = _against_official()
+    against_official = load_script("against_official")
     stand_in = tmp_path / "bench_official.py"
     stand_in.write_text(STAND_IN)
     config = against_official.CONFIGS["reference"]
@@ -33,3 +25,22 @@ def test_the_authors_learning_rate_is_pinned_unless_run_as_provided(tmp_path):
     assert pinned["argv"] == provided["argv"]  # the same arguments reach the script
     assert pinned["argv"][pinned["argv"].index("--spans") + 1] == "32,64,128,1024"
     assert pinned["file"] == provided["file"] == str(stand_in)
+
+
+def test_every_configuration_is_one_adaspan_builds_with_its_spans():
+    """Each configuration of the side-by-side is a valid adaspan model whose heads get the
+    spans the authors' script is given (cycled over the heads, as both scripts do)."""
+    from adaspan.bench import build_bench_model
+    from adaspan.config import ModelConfig
+
+    for name, (layers, d, heads, inner, span, spans, block, batch) in (
+            load_script("against_official").CONFIGS.items()):
+        config = ModelConfig(n_layers=layers, d_model=d, n_heads=heads, d_inner=inner,
+                             max_span=span, ramp=32, dropout=0.0, vocab_size=256)
+        model = build_bench_model(config, spans, torch.device("cpu"))
+        if spans == "fixed":
+            assert model.spans() == [[float(span)] * heads] * layers, name
+        else:
+            values = [float(s) for s in spans.split(",")]
+            assert model.spans() == [[values[h % len(values)] for h in range(heads)]] * layers
+        assert block > 0 and batch > 0, name
