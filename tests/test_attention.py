@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import span_attention, span_variants
+from helpers import load_script, span_attention, span_variants
 from reference import reference_attention
 
 from adaspan import soft_mask
@@ -168,3 +168,14 @@ def test_mask_is_added_only_where_it_is_below_one():
     mask = soft_mask(distances, z, 8)
     assert (mask[:, width:] == 1).all() and (mask[:, width - 1] < 1).any()
     assert ramp_columns(40, torch.tensor([45.0])) == 0
+
+
+def test_the_fused_cpu_attention_route_measured_against_banded_attention_is_exact():
+    """scripts/attention_routes.py times PyTorch's fused attention with the band as a mask:
+    the route it times computes the same eqs. 1-3 (two chunks of queries, a ramp inside)."""
+    routes = load_script("attention_routes")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8) for n in (128, 192, 192))
+    pos, z = torch.randn(64, 8), torch.tensor([10.0, 40.0, 20.0]).view(1, 3, 1)
+    expected = banded_attention(q, k, v, pos, z, routes.RAMP)
+    torch.testing.assert_close(routes.sdpa_route(q, k, v, pos, z), expected)
