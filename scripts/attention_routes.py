@@ -3,10 +3,12 @@ against :func:`adaspan.attention.banded_attention` and timed against it, alterna
 process: PyTorch's fused CPU attention (``scaled_dot_product_attention`` with the position
 scores and the band as a float mask), FlexAttention compiled with ``torch.compile`` (a block
 mask for the band, a ``score_mod`` for the position scores and ``log m_z``), and a small C++
-kernel (one pass per chunk: two BLAS products, the band's softmax, one product with the values).
+kernel (one pass per chunk: two BLAS products, the band's softmax, one product with the values), and
+the same band softmax alone between two batched products.
 
     pip install ninja   # the C++ kernel is built with torch.utils.cpp_extension
-    python scripts/attention_routes.py [--routes sdpa,flex,cpp] [--windows 64,256,...] [--repeats 5]
+    python scripts/attention_routes.py [--routes sdpa,flex,cpp,cpp-softmax] [--windows 64,...] \\
+        [--repeats 5]
 
 None of these routes is used by adaspan (docs/performance.md gives the measured reasons); this
 script keeps the measurement reproducible. Prints one JSON line per window: the largest
@@ -134,18 +136,42 @@ torch::Tensor band_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   });
   return out;
 }
+
+// Only the band's softmax, in place, between two batched products: row r of each tile of
+// scores (N, c, L) becomes softmax(scores[r, r + j] + position[r, j] + log_mask[j]) in its
+// band (j < w), 0 elsewhere. position (N, c, w); log_mask (N, w).
+void band_softmax_(torch::Tensor scores, torch::Tensor position, torch::Tensor log_mask) {
+  position = position.contiguous(), log_mask = log_mask.contiguous();
+  const int64_t N = scores.size(0), c = scores.size(1), L = scores.size(2), w = position.size(2);
+  float* S = scores.data_ptr<float>();
+  const float *P = position.data_ptr<float>(), *LM = log_mask.data_ptr<float>();
+  at::parallel_for(0, N * c, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t r = row % c;
+      float *s = S + row * L, *band = s + r, mx = -INFINITY, sum = 0.0f;
+      const float *p = P + row * w, *lm = LM + (row / c) * w;
+      for (int64_t j = 0; j < w; ++j) { band[j] += p[j] + lm[j]; mx = std::max(mx, band[j]); }
+      for (int64_t j = 0; j < w; ++j) { band[j] = std::exp(band[j] - mx); sum += band[j]; }
+      for (int64_t j = 0; j < w; ++j) band[j] /= sum;
+      for (int64_t j = 0; j < r; ++j) s[j] = 0.0f;
+      for (int64_t j = r + w; j < L; ++j) s[j] = 0.0f;
+    }
+  });
+}
 """
 
 
-def cpp_route():
-    """The C++ kernel, built once (torch.utils.cpp_extension; needs ninja and a compiler)."""
+def cpp_routes() -> dict:
+    """The C++ kernels, built once (torch.utils.cpp_extension; needs ninja and a compiler):
+    the whole attention per chunk ("cpp"), and only the band's softmax between two batched
+    products ("cpp-softmax")."""
     from torch.utils.cpp_extension import load_inline
 
-    ext = load_inline("adaspan_band_probe_omp", CPP, functions=["band_forward"],
+    ext = load_inline("adaspan_band_probe", CPP, functions=["band_forward", "band_softmax_"],
                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
                       extra_ldflags=["-fopenmp"])
 
-    def run(q, k, v, pos, z):
+    def whole(q, k, v, pos, z):
         (B, H, M, dh), w = q.shape, pos.shape[0]
         distance = torch.arange(w, 0, -1, dtype=q.dtype)
         log_mask = attention.log_soft_mask(distance, z.view(H, 1), RAMP).expand(B, H, w)
@@ -154,7 +180,20 @@ def cpp_route():
                                attention.chunk_size(M, w))
         return out.view(B, H, M, dh)
 
-    return run
+    def softmax_only(q, k, v, pos, z):
+        (B, H, M, dh), w = q.shape, pos.shape[0]
+        c = attention.chunk_size(M, w)
+        n = M // c
+        qs = (q * dh**-0.5).unflatten(2, (n, c))
+        distance = torch.arange(w, 0, -1, dtype=q.dtype)
+        log_mask = attention.log_soft_mask(distance, z.view(H, 1), RAMP)[None, :, None]
+        k_win, v_win = (attention._windows(t, w + c - 1, c, n).flatten(0, 2) for t in (k, v))
+        scores = qs.flatten(0, 2) @ k_win.transpose(-1, -2)
+        ext.band_softmax_(scores, (qs @ pos.flip(0).t()).flatten(0, 2),
+                          log_mask.expand(B, H, n, w).reshape(-1, w))
+        return (scores @ v_win).view(B, H, M, dh)
+
+    return {"cpp": whole, "cpp-softmax": softmax_only}
 
 
 def milliseconds(fn, calls: int = 9) -> float:
@@ -169,12 +208,12 @@ def milliseconds(fn, calls: int = 9) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--routes", default="sdpa,flex,cpp")
+    parser.add_argument("--routes", default="sdpa,flex,cpp,cpp-softmax")
     parser.add_argument("--windows", default=",".join(map(str, HEADS)))
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     routes = args.routes.split(",")
-    cpp = cpp_route() if "cpp" in routes else None
+    compiled = cpp_routes() if {"cpp", "cpp-softmax"} & set(routes) else {}
     torch.manual_seed(0)
     for w in map(int, args.windows.split(",")):
         H = HEADS.get(w, 1)
@@ -185,8 +224,7 @@ def main() -> None:
         runs = {"banded_attention": lambda *a: attention.banded_attention(*a, RAMP)}
         if "sdpa" in routes:
             runs["sdpa"] = sdpa_route
-        if cpp is not None:
-            runs["cpp"] = cpp
+        runs.update({name: fn for name, fn in compiled.items() if name in routes})
         if "flex" in routes:
             start = time.perf_counter()
             runs["flex"] = flex_route(w, H)
