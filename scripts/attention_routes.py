@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from adaspan import attention
+from adaspan.bench import seconds
 
 RAMP, BATCH, BLOCK, D_HEAD = 32, 8, 256, 64
 HEADS = {64: 4, 128: 1, 256: 2, 512: 1, 1024: 1, 4096: 1}  # a head group of each window
@@ -196,16 +197,6 @@ def cpp_routes() -> dict:
     return {"cpp": whole, "cpp-softmax": softmax_only}
 
 
-def milliseconds(fn, calls: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--routes", default="sdpa,flex,cpp,cpp-softmax")
@@ -238,7 +229,7 @@ def main() -> None:
             times = {name: [] for name in runs}
             for _ in range(args.repeats):
                 for name, fn in runs.items():
-                    times[name].append(milliseconds(lambda fn=fn, a=inputs: fn(*a)))
+                    times[name].append(1e3 * seconds(lambda fn=fn, a=inputs: fn(*a), 9, None))
         row = {"window": w, "heads": H, "max_abs_error": error,
                "ms": {name: statistics.median(t) for name, t in times.items()}}
         if "flex" in routes:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import adaspan.attention as attention
-from adaspan.bench import _time_eval, _time_train, build_bench_model
+from adaspan.bench import build_bench_model, eval_seconds, train_seconds
 from adaspan.presets import resolve_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,7 +48,7 @@ def milliseconds(config: tuple, steps: int) -> dict:
     model_config, _ = resolve_config(overrides=model_options(config))
     model, cpu = build_bench_model(model_config, spans, torch.device("cpu")), torch.device("cpu")
     return {kind: 1e3 * time(model, batch, block, steps, cpu, nullcontext(), "mean")
-            for kind, time in (("train", _time_train), ("eval", _time_eval))}
+            for kind, time in (("train", train_seconds), ("eval", eval_seconds))}
 
 
 def one_round(config: tuple, steps: int, official: Path | None) -> dict:

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 import adaspan.attention as attention
+from adaspan.bench import seconds
 
 WINDOWS = (64, 128, 256, 512, 1024, 2048, 4096)
 CANDIDATES = (32, 64, 128, 256)
 
 
-def seconds(window: int, chunk: int, train: bool, batch: int, block: int, repeats: int) -> float:
+def head_seconds(
+    window: int, chunk: int, train: bool, batch: int, block: int, repeats: int
+) -> float:
     attention.chunk_size = lambda block, window: min(block, chunk)
     d_head, generator = 64, torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, 1, n, d_head, generator=generator, requires_grad=train)
@@ -35,13 +37,7 @@ def seconds(window: int, chunk: int, train: bool, batch: int, block: int, repeat
             if train:
                 out.sum().backward()
 
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2]
+    return seconds(step, repeats, None)
 
 
 def main() -> None:
@@ -52,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     for mode in ("train", "eval"):
         for window in WINDOWS:
-            ms = {c: 1e3 * seconds(window, c, mode == "train", args.batch, args.block,
+            ms = {c: 1e3 * head_seconds(window, c, mode == "train", args.batch, args.block,
                                    args.repeats) for c in CANDIDATES}
             print(json.dumps({"mode": mode, "window": window, "ms": ms,
                               "best": min(ms, key=ms.get)}), flush=True)

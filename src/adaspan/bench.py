@@ -30,11 +30,10 @@ def matmul_gflops(size: int = 2048, repeats: int = 5, device: torch.device | Non
     """This machine's fp32 matrix-multiply rate: median over ``repeats`` square products."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
-    seconds = _time(lambda: a @ b, repeats, device)
-    return 2 * size**3 / seconds / 1e9
+    return 2 * size**3 / seconds(lambda: a @ b, repeats, device) / 1e9
 
 
-def _time(
+def seconds(
     step: Callable[[], object], repeats: int, device: torch.device | None,
     statistic: str = "median",
 ) -> float:
@@ -79,9 +78,9 @@ def bench(
     model = build_bench_model(config, spans, device)
     chars = batch_size * block_size
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-    train_s = _time_train(model, batch_size, block_size, steps, device, autocast, statistic)
-    eval_s = _time_eval(model, batch_size, block_size, steps, device, autocast, statistic)
-    gen_s = _time_generation(model, block_size, gen_chars, device)
+    train_s = train_seconds(model, batch_size, block_size, steps, device, autocast, statistic)
+    eval_s = eval_seconds(model, batch_size, block_size, steps, device, autocast, statistic)
+    gen_s = generation_seconds(model, block_size, gen_chars, device)
     flops = flops_per_char(model, block_size)  # paper's convention: multiply-adds
     train_cps, eval_cps = chars / train_s, chars / eval_s
     return {
@@ -107,7 +106,7 @@ def bench(
     }
 
 
-def _time_train(model, batch_size, block_size, steps, device, autocast, statistic) -> float:
+def train_seconds(model, batch_size, block_size, steps, device, autocast, statistic) -> float:
     model.train()
     optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-9)  # the paper's optimiser
     cache = [model.empty_cache(batch_size)]
@@ -124,11 +123,11 @@ def _time_train(model, batch_size, block_size, steps, device, autocast, statisti
         optimizer.step()
         model.clamp_spans()
 
-    return _time(step, steps, device, statistic)
+    return seconds(step, steps, device, statistic)
 
 
 @torch.no_grad()
-def _time_eval(model, batch_size, block_size, steps, device, autocast, statistic) -> float:
+def eval_seconds(model, batch_size, block_size, steps, device, autocast, statistic) -> float:
     model.eval()
     cache = [model.empty_cache(batch_size, keys_values=True)]
 
@@ -138,11 +137,11 @@ def _time_eval(model, batch_size, block_size, steps, device, autocast, statistic
         with autocast:
             _, cache[0] = model(tokens, cache[0])
 
-    return _time(step, steps, device, statistic)
+    return seconds(step, steps, device, statistic)
 
 
 @torch.no_grad()
-def _time_generation(model, block_size, gen_chars, device) -> float:
+def generation_seconds(model, block_size, gen_chars, device) -> float:
     """Seconds per generated character (batch 1, the cache filled by a first block)."""
     model.eval()
     vocab = model.config.vocab_size
