@@ -46,7 +46,8 @@ def milliseconds(config: tuple, steps: int) -> dict:
     """adaspan's train and eval milliseconds per step for a configuration of CONFIGS."""
     spans, block, batch = config[5:]
     model_config, _ = resolve_config(overrides=model_options(config))
-    model, cpu = build_bench_model(model_config, spans, torch.device("cpu")), torch.device("cpu")
+    cpu = torch.device("cpu")
+    model = build_bench_model(model_config, spans, cpu)
     return {kind: 1e3 * time(model, batch, block, steps, cpu, nullcontext(), "mean")
             for kind, time in (("train", train_seconds), ("eval", eval_seconds))}
 

@@ -28,19 +28,21 @@ def test_the_authors_learning_rate_is_pinned_unless_run_as_provided(tmp_path):
 
 
 def test_every_configuration_is_one_adaspan_builds_with_its_spans():
-    """Each configuration of the side-by-side is a valid adaspan model whose heads get the
-    spans the authors' script is given (cycled over the heads, as both scripts do)."""
+    """Each configuration of the side-by-side, as the options adaspan bench receives, is a
+    valid adaspan model whose heads get the spans the authors' script is given (cycled over
+    the heads, as both scripts do)."""
     from adaspan.bench import build_bench_model
-    from adaspan.config import ModelConfig
+    from adaspan.presets import resolve_config
 
-    for name, (layers, d, heads, inner, span, spans, block, batch) in (
-            load_script("against_official").CONFIGS.items()):
-        config = ModelConfig(n_layers=layers, d_model=d, n_heads=heads, d_inner=inner,
-                             max_span=span, ramp=32, dropout=0.0, vocab_size=256)
-        model = build_bench_model(config, spans, torch.device("cpu"))
+    against_official = load_script("against_official")
+    for name, config in against_official.CONFIGS.items():
+        layers, heads, span, spans = config[0], config[2], config[4], config[5]
+        model_config, _ = resolve_config(overrides=against_official.model_options(config))
+        model = build_bench_model(model_config, spans, torch.device("cpu"))
         if spans == "fixed":
-            assert model.spans() == [[float(span)] * heads] * layers, name
+            expected = [float(span)] * heads
         else:
             values = [float(s) for s in spans.split(",")]
-            assert model.spans() == [[values[h % len(values)] for h in range(heads)]] * layers
-        assert block > 0 and batch > 0, name
+            expected = [values[h % len(values)] for h in range(heads)]
+        assert model.spans() == [expected] * layers, name
+        assert model_config.max_span == span and model_config.dropout == 0, name
