@@ -46,14 +46,22 @@ def band_bias(q: torch.Tensor, pos: torch.Tensor, z: torch.Tensor, c: int) -> to
     return bias
 
 
-def sdpa_route(q, k, v, pos, z):
-    """Chunks as in banded_attention (``c`` must divide the block), each through
-    scaled_dot_product_attention."""
-    (H, M, dh), w = q.shape[1:], pos.shape[0]
+def chunks(q, k, v, pos) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """As banded_attention splits them (``c`` must divide the block): the scaled queries
+    (B, H, n, c, dh), the key and value windows (B, H, n, w + c - 1, dh), and ``c``."""
+    (M, dh), w = q.shape[2:], pos.shape[0]
     c = attention.chunk_size(M, w)
     n = M // c
-    qs = (q * dh**-0.5).unflatten(2, (n, c))
-    windows = [attention._windows(t, w + c - 1, c, n).flatten(1, 2) for t in (k, v)]
+    k_win, v_win = (attention._windows(t, w + c - 1, c, n) for t in (k, v))
+    return (q * dh**-0.5).unflatten(2, (n, c)), k_win, v_win, c
+
+
+def sdpa_route(q, k, v, pos, z):
+    """Chunks as in banded_attention, each through scaled_dot_product_attention."""
+    H = q.shape[1]
+    qs, k_win, v_win, c = chunks(q, k, v, pos)
+    n = qs.shape[2]
+    windows = [t.flatten(1, 2) for t in (k_win, v_win)]
     bias = band_bias(qs, pos, z[..., None, None], c).flatten(1, 2)
     out = F.scaled_dot_product_attention(qs.flatten(1, 2), *windows, attn_mask=bias, scale=1.0)
     return out.unflatten(1, (H, n)).flatten(2, 3)
@@ -183,12 +191,11 @@ def cpp_routes() -> dict:
 
     def softmax_only(q, k, v, pos, z):
         (B, H, M, dh), w = q.shape, pos.shape[0]
-        c = attention.chunk_size(M, w)
-        n = M // c
-        qs = (q * dh**-0.5).unflatten(2, (n, c))
+        qs, k_win, v_win, _ = chunks(q, k, v, pos)
+        n = qs.shape[2]
         distance = torch.arange(w, 0, -1, dtype=q.dtype)
         log_mask = attention.log_soft_mask(distance, z.view(H, 1), RAMP)[None, :, None]
-        k_win, v_win = (attention._windows(t, w + c - 1, c, n).flatten(0, 2) for t in (k, v))
+        k_win, v_win = k_win.flatten(0, 2), v_win.flatten(0, 2)
         scores = qs.flatten(0, 2) @ k_win.transpose(-1, -2)
         ext.band_softmax_(scores, (qs @ pos.flip(0).t()).flatten(0, 2),
                           log_mask.expand(B, H, n, w).reshape(-1, w))
