@@ -4,7 +4,7 @@ backward for training, forward for evaluation) for each key window and candidate
     python scripts/tune_chunks.py [--batch 8] [--block 256] [--repeats 5]
 
 Prints one JSON line per window and mode (median milliseconds per chunk size, and the best);
-:data:`adaspan.attention.CHUNKS` is taken from such a run.
+:data:`adaspan.band.CHUNKS` is regenerated from such a run (the best chunk of each window).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 
 import torch
 
-import adaspan.attention as attention
+from adaspan.band import banded_attention
 from adaspan.bench import seconds
 
 WINDOWS = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -24,7 +24,6 @@ CANDIDATES = (32, 64, 128, 256)
 def head_seconds(
     window: int, chunk: int, train: bool, batch: int, block: int, repeats: int
 ) -> float:
-    attention.chunk_size = lambda block, window: min(block, chunk)
     d_head, generator = 64, torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, 1, n, d_head, generator=generator, requires_grad=train)
                for n in (block, window + block, window + block))
@@ -33,7 +32,7 @@ def head_seconds(
 
     def step() -> None:
         with torch.set_grad_enabled(train):
-            out = attention.banded_attention(q, k, v, pos, z, 32)
+            out = banded_attention(q, k, v, pos, z, 32, chunk=chunk)
             if train:
                 out.sum().backward()
 

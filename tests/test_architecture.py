@@ -13,8 +13,8 @@ PACKAGE = Path(adaspan.__file__).parent
 # Layer of every module, lowest first (the table of docs/architecture.md).
 LAYERS = {
     "_version": 0, "registry": 0, "span": 0, "cache": 0, "download": 0, "distributed": 0,
-    "analysis": 0,
-    "config": 1, "data": 1,
+    "analysis": 0, "errors": 0,
+    "config": 1, "data": 1, "band": 1,
     "attention": 2,
     "baselines": 3,
     "model": 4,

@@ -3,10 +3,7 @@
 import json
 
 import pytest
-import torch
-from helpers import load_script
 
-from adaspan import attention
 from adaspan.analysis import flops_per_char
 from adaspan.bench import build_bench_model
 from adaspan.cli import main
@@ -79,21 +76,3 @@ def test_flops_of_the_baselines_count_the_keys_they_read(kind, keys):
     extra = 3 * 16 * 16 / 6 if kind == "xl" else 0.0  # W_r R_d of the S + 1 distances per block
     assert attn.flops_per_char(6) == pytest.approx(4 * 16 * 16 + 2 * 4 * sum(keys) + extra)
 
-
-def test_attention_share_times_the_model_without_its_attention_and_puts_it_back():
-    share = load_script("attention_share")
-    config = ModelConfig(n_layers=1, d_model=16, n_heads=4, d_inner=32, max_span=64, ramp=8)
-    model = build_bench_model(config, "8,16,32,64", torch.device("cpu")).eval()
-    tokens = torch.randint(0, config.vocab_size, (2, 12))
-    with torch.no_grad():
-        full = model(tokens)[0]
-        with share.without_attention():
-            q = torch.randn(1, 2, 3, 4)
-            assert torch.equal(attention.banded_attention(q, None, None, None, None, 8), q)
-            bare = model(tokens)[0]
-        assert torch.equal(model(tokens)[0], full)  # the attention is back
-    assert not torch.allclose(bare, full)
-    tiny = (1, 16, 4, 32, 64, "8,16,32,64", 12, 2)  # a configuration as in CONFIGS
-    row = share.one_round(tiny, steps=1, official=None)
-    assert set(row) == {"train_ms", "eval_ms", "train_ms_without_attention",
-                        "eval_ms_without_attention"} and all(ms > 0 for ms in row.values())

@@ -5,7 +5,8 @@ attention methods it is compared against.
 """
 
 from ._version import __version__
-from .attention import Attention, SpanAttention, banded_attention
+from .attention import Attention, SpanAttention
+from .band import banded_attention
 from .baselines import FactorizedAttention, VanillaAttention, XLAttention
 from .checkpoint import load_model
 from .config import ModelConfig, TrainConfig

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import Attention, SpanAttention, banded_attention, skew
+from .attention import Attention, SpanAttention
+from .band import banded_attention, skew
 from .cache import advance, fit_cache
 from .config import ModelConfig
 from .registry import register_attention
