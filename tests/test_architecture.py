@@ -12,18 +12,18 @@ PACKAGE = Path(adaspan.__file__).parent
 
 # Layer of every module, lowest first (the table of docs/architecture.md).
 LAYERS = {
-    "_version": 0, "registry": 0, "span": 0, "cache": 0, "download": 0, "distributed": 0,
-    "analysis": 0, "errors": 0,
-    "config": 1, "data": 1, "band": 1,
-    "attention": 2,
-    "baselines": 3,
-    "model": 4,
-    "checkpoint": 5, "evaluate": 5, "generate": 5, "optim": 5, "memory": 5,
-    "bench": 6, "metrics": 6, "official": 6,
-    "train": 7, "presets": 7,
-    "report": 8, "demo": 8,
-    "compare": 9,
-    "cli": 10, "__init__": 10,
+    "_version": 0, "errors": 0,
+    "registry": 1, "span": 1, "cache": 1, "download": 1, "distributed": 1, "analysis": 1,
+    "config": 2, "data": 2, "band": 2,
+    "attention": 3,
+    "baselines": 4,
+    "model": 5,
+    "checkpoint": 6, "evaluate": 6, "generate": 6, "optim": 6, "memory": 6,
+    "bench": 7, "metrics": 7, "official": 7,
+    "train": 8, "presets": 8,
+    "report": 9, "demo": 9,
+    "compare": 10,
+    "cli": 11, "__init__": 11,
 }
 
 
