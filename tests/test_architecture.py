@@ -15,7 +15,7 @@ LAYERS = {
     "_version": 0, "errors": 0,
     "registry": 1, "span": 1, "cache": 1, "download": 1, "distributed": 1, "analysis": 1,
     "config": 2, "data": 2, "band": 2,
-    "attention": 3,
+    "attention": 3, "page": 3,
     "baselines": 4,
     "model": 5,
     "checkpoint": 6, "evaluate": 6, "generate": 6, "optim": 6, "memory": 6,

@@ -10,8 +10,7 @@ import torch
 from helpers import span_attention, span_variants
 from reference import reference_attention
 
-from adaspan import soft_mask
-from adaspan import band
+from adaspan import band, soft_mask
 from adaspan.band import _BandSoftmax, banded_attention, ramp_columns, skew
 from adaspan.cache import KeyValueCache
 from adaspan.span import AdaptiveSpan, FixedSpan

@@ -29,6 +29,7 @@ from adaspan.checkpoint import (
     read_state,
     save_checkpoint,
     save_config,
+    saved_step,
 )
 from adaspan.config import TrainConfig
 from adaspan.optim import build_optimizer, build_scheduler
@@ -137,6 +138,16 @@ def test_a_checkpoint_restores_the_training_state(saved_run):
         assert torch.equal(restored.state_dict()[name], tensor), name
 
 
+def test_saved_step_is_the_step_of_the_training_state(saved_run):
+    run_dir = saved_run[0]
+    assert saved_step(run_dir) == 3
+    (run_dir / STATE_FILE).write_bytes(b"not a state file")
+    with pytest.raises(RunDirError, match=r"cannot read .* refused"):
+        saved_step(run_dir)
+    (run_dir / STATE_FILE).unlink()
+    assert saved_step(run_dir) is None  # nothing to resume from
+
+
 def test_new_run_dirs_are_named_by_the_time():
     path = new_run_dir("demo")
     assert path.parent == Path("runs") and re.fullmatch(r"demo-\d{8}-\d{6}", path.name)
@@ -186,6 +197,7 @@ def test_a_run_of_adaspan_0_2_resumes_from_its_state_pt(tmp_path, corpus_file):
     del state["model"]
     torch.save(state, legacy / LEGACY_STATE_FILE)
     (legacy / STATE_FILE).unlink()
+    assert saved_step(legacy) == 3
     for run in (current, legacy):
         run_quietly(run, dataclasses.replace(config, steps=5), resume=True)
     assert not (legacy / LEGACY_STATE_FILE).exists()  # superseded by the new state file

@@ -1,18 +1,21 @@
 """The command line end to end on tiny models: train, resume, evaluate, generate (streamed and
-as JSON), inspect."""
+as JSON), inspect; errors: the user's on one line, bugs reported as such."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
 
 from adaspan.checkpoint import load_model
 from adaspan.cli import main
-from adaspan.config import SECTIONS
+from adaspan.config import SECTIONS, ConfigError
 from adaspan.generate import generate, stream
 from adaspan.registry import ATTENTIONS
 
@@ -99,7 +102,7 @@ def test_stream_yields_the_characters_of_generate(run_dir):
         assert model.training  # restored at the end
         assert streamed == generate(*args, **sampling, generator=torch.Generator().manual_seed(3))
         assert len(streamed) == 40
-    with pytest.raises(ValueError, match="length"):
+    with pytest.raises(ConfigError, match="length"):
         stream(model, b"", -1)  # checked at the call, not at the first character
 
 
@@ -161,9 +164,79 @@ def test_resume_continues_to_more_steps(tmp_path, capsys):
         (["train", "--preset", "demo", "colour=red"], "colour"),
         (["evaluate", "/nonexistent/run"], "/nonexistent/run"),
         (["train", "--resume", "/tmp", "--preset", "demo"], "--resume"),
+        (["bench", *TINY[:5], "--spans", "32,x"], "spans '32,x'"),
+        (["bench", *TINY[:5], "--spans", "100"], "max_span=64"),
     ],
 )
 def test_user_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err and err.startswith("adaspan: error:")
+    assert err.startswith("adaspan: error:") and err.count("\n") == 1 and message in err
+
+
+def test_bad_generation_options_are_user_errors(run_dir, capsys):
+    for option in (["--length", "-1"], ["--temperature", "-0.5"], ["--top-k", "257"]):
+        assert main(["generate", str(run_dir), *option]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and option[0][2:].replace("-", "_") in err
+
+
+@pytest.mark.parametrize("bug", [RuntimeError("CUDA error: an illegal memory access"),
+                                 ValueError("operands could not be broadcast"),
+                                 KeyError("layers")])
+def test_a_bug_is_reported_as_one_with_exit_status_1(bug, monkeypatch, capsys):
+    """Any exception but the expected ones (UserError, OSError, MemoryError), a plain
+    ValueError included, is a bug: its type and message, then how to see the traceback."""
+
+    def broken(*args, **kwargs):
+        raise bug
+
+    monkeypatch.setattr("adaspan.model.parameter_count", broken)  # `adaspan presets` calls it
+    assert main(["presets"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"adaspan: error: {type(bug).__name__}: {bug}"
+    assert len(lines) == 2 and "bug in adaspan" in lines[1] and "--debug" in lines[1]
+
+
+def test_debug_raises_bugs_and_user_errors(monkeypatch):
+    with pytest.raises(ConfigError, match="unknown preset"):
+        main(["--debug", "train", "--preset", "nope"])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("adaspan.model.parameter_count", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        main(["--debug", "presets"])
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = re.findall(r"^    (\S+)", capsys.readouterr().out, flags=re.M)
+    assert listed == ["train", "evaluate", "generate", "inspect", "report", "bench", "download",
+                      "presets", "demo", "compare", "convert-official"]
+
+
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``folder``: its bytes and modification time."""
+    return {str(path.relative_to(folder)): (path.read_bytes(), path.stat().st_mtime_ns)
+            for path in folder.rglob("*") if path.is_file()}
+
+
+def test_resuming_a_finished_run_says_so_and_exits_0(tmp_path, capsys):
+    path = tmp_path / "run"
+    assert main(["train", "--preset", "demo", "--run-dir", str(path), "--no-progress",
+                 "steps=2", *TINY]) == 0
+    capsys.readouterr()
+    files = _files(path)
+    assert main(["train", "--resume", str(path), "--no-progress"]) == 0
+    assert capsys.readouterr() == (f"{path} is complete at step 2; pass steps=4 to continue\n",
+                                   "")
+    assert main(["train", "--resume", str(path), "steps=1"]) == 2  # asks for fewer steps
+    assert "nothing to train" in capsys.readouterr().err
+    assert _files(path) == files  # untouched
+    loop = f"until {sys.executable} -m adaspan.cli train --resume {path}; do :; done"
+    ended = subprocess.run(["bash", "-c", loop], capture_output=True, text=True, timeout=300)
+    assert ended.returncode == 0 and ended.stdout.startswith(f"{path} is complete at step 2")
+    assert _files(path) == files

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import html
 import json
 import re
 import shutil
@@ -13,10 +14,19 @@ import pytest
 
 from adaspan.checkpoint import RunDirError
 from adaspan.cli import main
-from adaspan.compare import CSV_FILE, MARKDOWN_FILE, compare, format_markdown
+from adaspan.compare import (
+    COLUMNS,
+    COMPARE_FIGURE,
+    COMPARE_PAGE,
+    CSV_FILE,
+    MARKDOWN_FILE,
+    MethodError,
+    compare,
+    format_markdown,
+)
+from adaspan.page import compare_page
 from adaspan.presets import resolve_config
 from adaspan.registry import ATTENTIONS
-from adaspan.report import COMPARE_FIGURE, COMPARE_PAGE
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
         "block_size=16", "eval_chars=64", "eval_interval=2", "log_interval=1",
@@ -68,7 +78,29 @@ def test_curves_of_every_method_are_drawn_side_by_side(compared):
     assert embedded == (out / COMPARE_FIGURE).read_bytes()
     assert "bpc against training time" in page and "<th>Method</th>" in page
     assert all(f"<tr><td>{method}</td>" in page for method in METHODS) and ":---" not in page
-    assert "id='fig-compare-spans'" in page  # Figure 4 of the method with learned spans
+    assert re.findall(r"alt='spans of ([a-z]+)'", page) == ["adaptive"]  # learned spans only
+
+
+def test_page_table_shows_the_rows_of_the_markdown_table(compared):
+    out, _ = compared
+    page = (out / COMPARE_PAGE).read_text()
+    lines = [line for line in (out / MARKDOWN_FILE).read_text().splitlines()
+             if line.startswith("|")]
+    for tag, line in [("th", lines[0]), *(("td", line) for line in lines[2:])]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert "<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>" in page
+
+
+def test_page_table_is_rendered_from_rows_and_escaped():
+    rows = [{"method": "<b>&", "steps": 1200, "valid_bpc": 1.23456},
+            {"method": "plain", "steps": 7, "valid_bpc": 2.0}]
+    columns = [column for column in COLUMNS if column[0] in rows[0]]
+    page = compare_page("out", b"png", "bpc < 2 & more", rows, columns, ["a <note>"], {}, 64)
+    assert ("<tr><th>Method</th><th>steps</th><th>valid bpc</th></tr>"
+            "<tr><td>&lt;b&gt;&amp;</td><td>1,200</td><td>1.235</td></tr>"
+            "<tr><td>plain</td><td>7</td><td>2.000</td></tr></table>") in page
+    assert "<p>bpc &lt; 2 &amp; more</p>" in page and "<li>a &lt;note&gt;</li>" in page
+    assert "<b>" not in page and "fig-compare-spans" not in page  # no method with spans
 
 
 def test_without_matplotlib_the_table_is_written_and_the_figures_skipped(compared, tmp_path,
@@ -124,9 +156,9 @@ def test_csv_parses_back(compared):
 
 def test_unknown_or_repeated_method_is_refused_before_training(tmp_path):
     every_variant = ", ".join(ATTENTIONS)
-    with pytest.raises(ValueError, match=re.escape(f"'bogus'; choose from {every_variant}")):
+    with pytest.raises(MethodError, match=re.escape(f"'bogus'; choose from {every_variant}")):
         _compare(tmp_path / "out", ["fixed", "bogus"])
-    with pytest.raises(ValueError, match="each method once"):
+    with pytest.raises(MethodError, match="each method once"):
         _compare(tmp_path / "out", ["fixed", "fixed"])
     assert not (tmp_path / "out").exists()
 
@@ -174,6 +206,11 @@ def test_cli_unknown_method_is_one_line_error(tmp_path, capsys):
 def test_runs_of_a_relative_corpus_path_are_reused(tmp_path, monkeypatch, corpus_file):
     monkeypatch.chdir(tmp_path)
     shutil.copy(corpus_file, tmp_path / "text.txt")
-    _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"], evaluate_test=False)
+    first = _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"],
+                     evaluate_test=False)
     monkeypatch.setattr("adaspan.compare.train", _no_training)
-    _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"], evaluate_test=False)
+    messages = []
+    again = _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"],
+                     evaluate_test=False, log=messages.append)
+    assert again == first  # the training summary is read back: same steps and throughput
+    assert messages[0].endswith("finished run with the same configuration, reused")

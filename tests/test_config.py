@@ -9,7 +9,7 @@ from dataclasses import MISSING, fields
 import pytest
 from helpers import tiny_config
 
-from adaspan.config import SECTIONS, ModelConfig, TrainConfig
+from adaspan.config import SECTIONS, ConfigError, ModelConfig, TrainConfig
 from adaspan.registry import ATTENTIONS
 
 # --- ModelConfig --------------------------------------------------------------------------------
@@ -23,12 +23,12 @@ from adaspan.registry import ATTENTIONS
      ("span_loss_coef", -1e-6)],
 )
 def test_invalid_config_names_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}"):
+    with pytest.raises(ConfigError, match=rf"ModelConfig\.{field}"):
         ModelConfig(**{field: value})
 
 
 def test_unknown_attention_lists_every_registered_variant():
-    with pytest.raises(ValueError, match=re.escape(f"one of {', '.join(ATTENTIONS)}, got 'x'")):
+    with pytest.raises(ConfigError, match=re.escape(f"one of {', '.join(ATTENTIONS)}, got 'x'")):
         ModelConfig(attention="x")
 
 
@@ -37,7 +37,7 @@ def test_the_attention_choices_follow_the_registry(toy_attention):
 
 
 def test_from_dict_rejects_unknown_keys():
-    with pytest.raises(ValueError, match="unknown model option"):
+    with pytest.raises(ConfigError, match="unknown model option"):
         ModelConfig.from_dict({"d_model": 64, "heads": 4})
 
 
@@ -57,7 +57,7 @@ def test_model_config_round_trips_through_a_dict(attention):
      ("max_span", dict(attention="factorized", max_span=64, factorized_stride=128))],
 )
 def test_invalid_factorized_config_names_the_field(field, options):
-    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}"):
+    with pytest.raises(ConfigError, match=rf"ModelConfig\.{field}"):
         ModelConfig(**options)
 
 
@@ -91,14 +91,14 @@ def test_stride_limits_only_apply_to_factorized():
     ],
 )
 def test_train_config_errors_name_the_field(changes, field):
-    with pytest.raises(ValueError, match=rf"TrainConfig\.{field} "):
+    with pytest.raises(ConfigError, match=rf"TrainConfig\.{field} "):
         TrainConfig(**changes)
 
 
 def test_train_config_round_trips_through_a_dict():
     config = TrainConfig(steps=10, time_budget=5.0, data_dir="/tmp")
     assert TrainConfig.from_dict(config.to_dict()) == config
-    with pytest.raises(ValueError, match=r"unknown train option.*stepz"):
+    with pytest.raises(ConfigError, match=r"unknown train option.*stepz"):
         TrainConfig.from_dict({"stepz": 1})
 
 

@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from adaspan import data
-from adaspan.data import VOCAB_SIZE, BlockStream, Corpus, DataError, decode, encode, load_corpus
+from adaspan.data import (
+    VOCAB_SIZE,
+    BlockStream,
+    Corpus,
+    DataError,
+    ShortDataError,
+    decode,
+    encode,
+    load_corpus,
+)
 
 # ---------------------------------------------------------------------------- encode/decode
 
@@ -272,14 +281,16 @@ def test_block_stream_reads_memmap_without_copying_it(tmp_path):
 
 
 def test_block_stream_validation_messages():
+    """Arguments out of range are ValueErrors; data too short for the streams asked of it is
+    also a DataError (the user's to fix: a smaller batch or block)."""
     tokens = np.arange(10, dtype=np.uint8)
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         BlockStream(tokens, 0, 4)
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         BlockStream(tokens, 2, 0)
-    with pytest.raises(ValueError, match="at least 11 tokens"):
+    with pytest.raises(ShortDataError, match="at least 11 tokens"):
         BlockStream(tokens, 10, 4)
     with pytest.raises(ValueError, match="1-D integer"):
         BlockStream(np.zeros((2, 5), dtype=np.uint8), 1, 1)
-    with pytest.raises(ValueError, match="drop_last"):
+    with pytest.raises(ShortDataError, match="drop_last"):
         BlockStream(tokens, 3, 4, drop_last=True)  # n = 3 < block 4

@@ -19,6 +19,7 @@ from adaspan.cli import main
 from adaspan.config import ModelConfig, TrainConfig
 from adaspan.data import load_corpus
 from adaspan.model import SpanLM
+from adaspan.official import OfficialFormatError, run_codec, run_split
 
 S, R, D, HEADS, LAYERS, INNER = 80, 8, 16, 4, 2, 24
 # current_val per layer and head: spans differ per head; in layer 1 every span is short, so
@@ -356,3 +357,31 @@ def test_token_logprobs_of_an_ordinary_run(batch_size, byte_run, tmp_path):
     got = np.load(out)
     assert got.dtype == np.float32 and got.shape == (batch_size * n,)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ tokens of any run
+
+
+def test_run_split_reads_the_format_of_the_run(adaptive_run, byte_run, data_dir, texts, vocab,
+                                               tmp_path):
+    converted, _ = adaptive_run
+    tokens, name, unit = run_split(converted, "test")
+    assert tokens.tolist() == [vocab.index(s) for s in symbols_of(texts["test"])]
+    assert (name, unit) == (f"{data_dir.resolve()} (authors' format)", "symbol")
+    other = write_data(tmp_path / "other", texts["train"], texts["valid"], b"ab")
+    assert run_split(converted, "test", data=other).tokens.tolist() == [
+        vocab.index(s) for s in symbols_of(b"ab")]
+    run, _, valid = byte_run
+    tokens, name, unit = run_split(run, "valid", progress=False)
+    assert np.array_equal(tokens, valid) and (name, unit) == ("text.txt", "character")
+
+
+def test_run_codec_maps_bytes_to_the_tokens_of_the_run_and_back(adaptive_run, byte_run, vocab):
+    codec = run_codec(adaptive_run[0])
+    ids = codec.encode(b"ab\nc")
+    assert list(ids) == [vocab.index(s) for s in ("97", "98", "<eos>", "99")]
+    assert bytes(codec.decode(iter(ids))) == b"ab\nc"
+    with pytest.raises(OfficialFormatError, match=r"the prompt has bytes .*\[122\]"):
+        codec.encode(b"az", "prompt")
+    plain = run_codec(byte_run[0])  # an ordinary run: its tokens are the bytes
+    assert plain.encode(b"z\xff") == b"z\xff" and bytes(plain.decode([0, 255])) == b"\x00\xff"

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from adaspan import ModelConfig, TrainConfig
+from adaspan.config import ConfigError
 from adaspan.model import parameter_count
 from adaspan.presets import PRESETS, resolve_config
 
@@ -113,17 +114,21 @@ def test_override_values_are_parsed_by_field_type(text, kind, expected):
     ],
 )
 def test_bad_overrides_explain_themselves(override, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         resolve_config(None, None, [override])
 
 
 def test_bad_config_files_and_presets(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[training]\nlr = 0.1\n")
-    with pytest.raises(ValueError, match=r"bad\.toml.*'training'.*did you mean train"):
+    with pytest.raises(ConfigError, match=r"bad\.toml.*'training'.*did you mean train"):
         resolve_config(None, path)
     path.write_text('[train]\nlr = "fast"\n')
-    with pytest.raises(ValueError, match=r"train\.lr must be a number"):
+    with pytest.raises(ConfigError, match=r"train\.lr must be a number"):
         resolve_config(None, path)
-    with pytest.raises(ValueError, match=r"did you mean text8-small"):
+    with pytest.raises(ConfigError, match=r"did you mean text8-small"):
         resolve_config("text8-smal")
+    path.write_bytes(b"\xff\xfe[train]")
+    for unreadable in (path, tmp_path / "missing.toml"):
+        with pytest.raises(ConfigError, match=rf"{unreadable.name}: cannot read it"):
+            resolve_config(None, unreadable)

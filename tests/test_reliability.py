@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TRAIN_MODEL
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from adaspan import ModelConfig, SpanLM, TrainConfig, train
@@ -27,6 +26,7 @@ from adaspan.checkpoint import (
     RunDirError,
     load_model,
     load_training_state,
+    read_state,
 )
 from adaspan.cli import main
 from adaspan.memory import estimate_training_memory, profiled_peak
@@ -64,31 +64,42 @@ def _assert_same_weights(run: Path, expected: dict[str, torch.Tensor]) -> None:
         assert torch.equal(weights[name], tensor), name
 
 
-# Run `adaspan train` in a child process whose steps last at least 50 ms (so that a kill at a
-# random moment lands in training) and that SIGKILLs itself just before its n-th rename of a
-# run file (n > 0; 3 per checkpoint, after the first config.json): inside a checkpoint write.
+# Run `adaspan train` in a child process that SIGKILLs itself either just before its n-th
+# rename of a run file (n > 0; 3 per checkpoint, after the first config.json): inside a
+# checkpoint write; or during its n-th training step, ``delay`` seconds after it begins. Each
+# step is followed by a 50 ms pause, so a delay below that lands inside step n (in its
+# computation or the pause after it), whatever the machine's speed.
 _CHILD = """
-import importlib, os, signal, sys, time
+import importlib, os, signal, sys, threading, time
 checkpoint = importlib.import_module("adaspan.checkpoint")
 training = importlib.import_module("adaspan.train")  # (adaspan.train is also the function)
-calls, target, replace, step = [0], int(sys.argv[1]), os.replace, training.train_step
+target, kill_step, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+calls, steps, replace, step = [0], [0], os.replace, training.train_step
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
 def killing_replace(src, dst):
     calls[0] += os.path.basename(dst) in ("config.json", "model.safetensors", "state.safetensors")
-    if calls[0] == target:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if target and calls[0] == target:
+        kill()
     replace(src, dst)
-def slow_step(*args, **kwargs):
+def killing_step(*args, **kwargs):
+    steps[0] += 1
+    if steps[0] == kill_step:
+        threading.Timer(delay, kill).start()
+    result = step(*args, **kwargs)
     time.sleep(0.05)
-    return step(*args, **kwargs)
-checkpoint.os.replace, training.train_step = killing_replace, slow_step
+    return result
+checkpoint.os.replace, training.train_step = killing_replace, killing_step
 from adaspan.cli import main
-sys.exit(main(sys.argv[2:]))
+sys.exit(main(sys.argv[4:]))
 """
 
 
-def _child(args: list[str], kill_at_rename: int = 0) -> subprocess.Popen:
+def _child(args: list[str], kill_at_rename: int = 0, kill_in_step: int = 0,
+           delay: float = 0.0) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", _CHILD, str(kill_at_rename), *args], env=env,
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(kill_at_rename),
+                             str(kill_in_step), str(delay), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -99,24 +110,22 @@ def _resume(run: Path) -> None:
 def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, corpus_file,
                                                             reference_weights):
     """12 kills: 6 inside checkpoint writes (before each of the three renames, the first
-    checkpoint included), 6 at random moments of training; every run resumes to the same
-    weights as a run never interrupted, and no temporary file is left."""
+    checkpoint included), 6 at random moments of random training steps; every run resumes to
+    the same weights as a run never interrupted, and no temporary file is left."""
     rng = random.Random(0)
-    kills = [("rename", n) for n in (2, 3, 4, 9, 20, 34)]
-    kills += [("time", rng.uniform(0.0, 0.4)) for _ in range(6)]  # 10 steps >= 0.5 s
+    kills = [{"kill_at_rename": n} for n in (2, 3, 4, 9, 20, 34)]
+    kills += [{"kill_in_step": rng.randint(1, STEPS - 1), "delay": rng.uniform(0.0, 0.05)}
+              for _ in range(6)]
     temporaries_seen = killed_in_training = 0
-    for i, (how, when) in enumerate(kills):
+    for i, kill in enumerate(kills):
         run = tmp_path / f"run{i}"
         args = ["train", "--run-dir", str(run), "--no-progress", *_overrides(_options(
             corpus_file))]
-        child = _child(args, kill_at_rename=when if how == "rename" else 0)
-        if how == "time":  # once training has begun (the first record is written)
-            _wait_for(run / "metrics.jsonl", child)
-            time.sleep(when)
-            child.send_signal(signal.SIGKILL)
+        child = _child(args, **kill)
         child.communicate(timeout=120)
+        assert child.returncode == -signal.SIGKILL, kill
         temporaries_seen += bool(list(run.glob(".*.tmp")))
-        if child.returncode != 0 and not _finished(run):
+        if not _finished(run):
             _resume(run)
             killed_in_training += 1
         _assert_same_weights(run, reference_weights)
@@ -127,10 +136,7 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, corpus_fil
 
 def _finished(run: Path) -> bool:
     """Whether the run's last checkpoint is of its last step (killed after saving it)."""
-    if not (run / STATE_FILE).exists():
-        return False
-    with safe_open(run / STATE_FILE, framework="pt") as state:
-        return json.loads(state.metadata()["state"])["dict"][0][1] == STEPS
+    return (run / STATE_FILE).exists() and read_state(run / STATE_FILE)["step"] == STEPS
 
 
 def _wait_for(path: Path, child: subprocess.Popen, seconds: float = 60) -> None:

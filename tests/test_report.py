@@ -15,12 +15,14 @@ import pytest
 import torch
 from helpers import TRAIN_MODEL
 
-from adaspan import ModelConfig, TrainConfig
+from adaspan import ModelConfig, SpanLM, TrainConfig
 from adaspan.analysis import compare_figure
+from adaspan.attention import SpanAttention
 from adaspan.checkpoint import load_model
 from adaspan.cli import main
 from adaspan.data import load_corpus
 from adaspan.memory import profiled_peak
+from adaspan.registry import ATTENTIONS
 from adaspan.report import (
     DATA_FILE,
     FIXED,
@@ -30,8 +32,10 @@ from adaspan.report import (
     default_text,
     dynamic_spans,
     flops_curves,
+    report_data,
     write_report,
 )
+from adaspan.span import DynamicSpan
 from adaspan.train import train
 
 MODEL = replace(TRAIN_MODEL, dropout=0.1)
@@ -89,7 +93,9 @@ def test_report_states_configuration_and_parameter_count(runs, reports, attentio
     params = load_model(runs[attention]).num_parameters()
     assert data["parameters"] == params and f"{params:,}" in page
     assert "<th>max_span</th><td>64</td>" in page and f"<td>{attention}</td>" in page
-    assert "torch.profiler" in page  # the page says how memory was measured
+    assert data["learned_spans"] == (attention != "fixed")
+    assert data["costs"]["memory_probe"] == {"device": "cpu", "streams": 2, "block_size": 32}
+    assert "torch.profiler" in page and "2 streams of 32 characters" in page  # how it was measured
 
 
 def test_cost_panel_fixed_grows_linearly_learned_stays_flat(reports):
@@ -158,6 +164,19 @@ def test_dynamic_spans_follow_the_equation_in_the_first_layer(runs, reports):
     assert all(MODEL.ramp <= s <= MODEL.max_span for layer in spans for s in layer)
 
 
+def test_a_variant_is_reported_by_what_its_span_type_does(tmp_path, monkeypatch):
+    """A variant of any name with spans per token gets the Figure 5 spans and a learned curve."""
+    def build(config: ModelConfig) -> SpanAttention:
+        return SpanAttention(config, DynamicSpan(config.n_heads, config.max_span, config.ramp,
+                                                 config.d_model))
+
+    monkeypatch.setitem(ATTENTIONS, "per-token test", build)
+    model = SpanLM(replace(MODEL, attention="per-token test"))
+    data = report_data(model, {"train": {"block_size": 16}}, tmp_path, "abcd", [16, 32], None)
+    assert data["learned_spans"] and len(data["dynamic"]["spans"][0]) == 4
+    assert list(data["costs"]["curves"]) == [FIXED, LEARNED]
+
+
 def test_default_text_is_a_sentence_of_the_valid_split(runs):
     text = default_text({"train": {"data": "kjv"}})
     valid = bytes(load_corpus("kjv", progress=False).valid[:4000]).decode("ascii")
@@ -173,6 +192,7 @@ def test_cli_report_with_text_out_and_no_memory(runs, tmp_path, capsys):
     data = json.loads((out / DATA_FILE).read_text())
     assert data["dynamic"]["text"] == "abc <de>" and len(data["dynamic"]["spans"][0]) == 8
     assert data["costs"]["curves"][FIXED]["memory_mb"] == []
+    assert data["costs"]["memory_probe"] is None
     page = (out / REPORT_FILE).read_text()
     assert "abc &lt;de&gt;" in page and "peak memory" not in page
 

@@ -1,5 +1,6 @@
 """Span masks (paper §2.2): the soft mask, and the fixed, adaptive and dynamic spans: what a
-head sees, the spans' penalty, their limits and their gradients."""
+head sees, the spans' penalty, their limits and their gradients, and what each span type
+declares (learned, varying per token)."""
 
 from __future__ import annotations
 
@@ -130,3 +131,33 @@ def test_fixed_span_sees_everything_up_to_the_limit():
     assert span(torch.randn(1, 5, 16)) is None  # no mask
     assert span.windows(None) == [40] * 3 and span.spans().tolist() == [40.0] * 3
     assert span.z_penalty() is None
+
+
+@pytest.mark.parametrize("name", list(ATTENTIONS))
+def test_span_type_says_whether_spans_are_learned(name):
+    model = tiny(name)
+    assert {type(layer.attn.span) for layer in model.layers} == {model.span_type}
+    assert model.span_type.learned == model.span_loss().requires_grad  # the penalty trains z
+
+
+@pytest.mark.parametrize("name", list(ATTENTIONS))
+def test_span_type_says_whether_spans_vary_per_token(name):
+    model = tiny(name)  # dynamic spans: random v, so z_t differs between tokens
+    z = model.layers[0].attn.span(model.embed(torch.randint(0, 32, (2, 12))))
+    varies = z is not None and z.shape[-1] > 1 and bool((z != z[..., :1]).any())
+    assert model.span_type.input_dependent == varies
+
+
+def test_last_spans_are_those_of_every_token_of_the_last_pass():
+    span = DynamicSpan(4, 64, 8, d_model=16)
+    with pytest.raises(RuntimeError, match="no forward pass"):
+        span.last_spans()
+    with torch.no_grad():
+        span.v.normal_(0, 1.0)
+    x = torch.randn(2, 5, 16)
+    span(x)
+    want = (64 * torch.sigmoid(x @ span.v.t() + span.b) + 8).clamp(max=64).transpose(1, 2)
+    torch.testing.assert_close(span.last_spans(), want.detach())  # (B, H, M): min(S, z_t + R)
+    span.set_spans(torch.full((4,), 20.0))
+    with pytest.raises(RuntimeError, match="no forward pass"):
+        span.last_spans()

@@ -31,9 +31,10 @@ from adaspan.checkpoint import (
 )
 from adaspan.config import TrainConfig
 from adaspan.data import load_corpus
+from adaspan.errors import UserError
 from adaspan.evaluate import evaluate
 from adaspan.optim import build_optimizer, build_scheduler, lr_factor
-from adaspan.train import train, train_step
+from adaspan.train import Diverged, RunComplete, train, train_step
 
 RECORD_FIELDS = {"step", "train_bpc", "valid_bpc", "lr", "chars_per_s", "avg_span", "max_span",
                  "layer_avg_span", "layer_max_span", "elapsed"}
@@ -78,6 +79,9 @@ def test_resume_equals_uninterrupted(tmp_path, corpus_file, uninterrupted):
     assert summary["steps"] == 8 and summary["stopped"] == "completed"
     assert_same_weights(weights(tmp_path), uninterrupted)
     assert [r["step"] for r in records(tmp_path)] == [2, 4, 6, 8]  # stale records dropped
+    with pytest.raises(RunComplete, match="complete at step 8; pass steps=16") as complete:
+        run_quietly(tmp_path, tiny_train_config(corpus_file), resume=True)  # no step left
+    assert complete.value.step == 8
 
 
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues_exactly(tmp_path, corpus_file,
@@ -92,6 +96,12 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues_exactly(tmp_path, corpus
     assert checkpoint_step(tmp_path) == 3  # the step under way was finished
     run_quietly(tmp_path, tiny_train_config(corpus_file), resume=True)
     assert_same_weights(weights(tmp_path), uninterrupted)
+
+
+def test_divergence_stops_training_with_a_user_error(tmp_path, corpus_file):
+    with pytest.raises(Diverged, match="training diverged at step") as diverged:
+        run_quietly(tmp_path, tiny_train_config(corpus_file, lr=1e6, clip=0.0))
+    assert isinstance(diverged.value, UserError) and isinstance(diverged.value, FloatingPointError)
 
 
 def test_time_budget_stops_with_a_checkpoint(tmp_path, corpus_file):

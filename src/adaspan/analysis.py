@@ -8,6 +8,8 @@ import json
 import math
 from pathlib import Path
 
+from .errors import UserError
+
 
 def span_summary(spans: list[list[float]]) -> dict:
     """Average and largest span over all heads, and the per-layer averages."""
@@ -57,7 +59,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     return events
 
 
-class PlotError(RuntimeError):
+class PlotError(UserError, RuntimeError):
     """Plots were asked for but matplotlib is not installed."""
 
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from .analysis import flops_per_char
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .memory import estimate_training_memory
 from .model import SpanLM
 
@@ -57,8 +57,11 @@ def build_bench_model(config: ModelConfig, spans: str | None, device: torch.devi
     torch.manual_seed(0)
     model = SpanLM(config).to(device)
     if spans not in (None, "fixed"):
-        values = [float(s) for s in spans.split(",")]
-        model.set_spans([values[h % len(values)] for h in range(config.n_heads)])
+        try:
+            values = [float(s) for s in spans.split(",")]
+            model.set_spans([values[h % len(values)] for h in range(config.n_heads)])
+        except ValueError as exc:  # not numbers, out of [1, S], or spans that are not learned
+            raise ConfigError(f"spans {spans!r}: {exc}") from exc
     return model
 
 

@@ -29,7 +29,8 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,8 +41,9 @@ from safetensors.torch import load_file, save_file
 
 from ._version import __version__
 from .cache import StreamCache
-from .config import ModelConfig, TrainConfig
+from .config import ConfigError, ModelConfig, TrainConfig
 from .data import resolve_data
+from .errors import UserError
 from .model import SpanLM
 
 CONFIG_FILE = "config.json"
@@ -52,8 +54,13 @@ TEMP_SUFFIX = ".tmp"
 ARCHIVE_DIR = "checkpoints"  # earlier checkpoints kept with TrainConfig.keep_last
 
 
-class RunDirError(Exception):
+class RunDirError(UserError):
     """A run directory is missing, incomplete, inconsistent or would be overwritten."""
+
+
+class CheckpointFileError(UserError, ValueError):
+    """A file read as a PyTorch checkpoint that is not one, or holds more than tensors and
+    plain values (which could run code): refused."""
 
 
 @dataclass
@@ -137,12 +144,11 @@ def read_config(run_dir: str | Path) -> dict:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise RunDirError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(config, dict) or not {"model", "train"} <= config.keys():
+    if not (isinstance(config, dict)
+            and all(isinstance(config.get(table), dict) for table in ("model", "train"))):
         raise RunDirError(f"{path} must hold 'model' and 'train' tables")
-    if isinstance(config["model"], dict):  # runs of adaspan 0.1 had a position table per layer
-        config["model"].setdefault("position_table", "layer")
-    if isinstance(config["train"], dict):  # ... and clipped the global gradient norm
-        config["train"].setdefault("clip_mode", "global")
+    config["model"].setdefault("position_table", "layer")  # adaspan 0.1: one table per layer
+    config["train"].setdefault("clip_mode", "global")  # ... and the global gradient norm clipped
     return config
 
 
@@ -210,6 +216,21 @@ def _state_path(run_dir: Path) -> Path | None:
     return None
 
 
+def saved_step(run_dir: str | Path) -> int | None:
+    """The step of the checkpoint of ``run_dir``, read without loading its tensors; None if
+    it has no checkpoint to resume from."""
+    run_dir = Path(run_dir)
+    if not has_checkpoint(run_dir):
+        return None
+    path = _state_path(run_dir)
+    with _refused_if_unreadable(path):
+        if path.name == LEGACY_STATE_FILE:
+            return int(load_pickled_tensors(path)["step"])
+        with safe_open(path, framework="pt") as stored:
+            tree = json.loads((stored.metadata() or {})["state"])
+        return int(dict(tree["dict"])["step"])  # the top level of _save_state's tree
+
+
 def save_checkpoint(
     run_dir: str | Path,
     model: SpanLM,
@@ -272,7 +293,7 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu") -> SpanL
     run_dir = Path(run_dir)
     try:
         config = ModelConfig.from_dict(read_config(run_dir)["model"])
-    except ValueError as exc:
+    except ConfigError as exc:
         raise RunDirError(f"{run_dir / CONFIG_FILE}: {exc}") from exc
     model = SpanLM(config)
     load_weights(run_dir, model)
@@ -337,13 +358,20 @@ def _save_state(state: dict, path: Path) -> None:
 def read_state(path: Path, device: str | torch.device = "cpu") -> dict:
     """What :func:`_save_state` wrote (or an adaspan 0.1-0.2 ``state.pt``, without pickle's
     code execution); a file that is not one is refused as such."""
-    try:
+    with _refused_if_unreadable(path):
         if path.name == LEGACY_STATE_FILE:
             return load_pickled_tensors(path, device)
         with safe_open(path, framework="pt", device=str(device)) as stored:
             tensors = {key: stored.get_tensor(key) for key in stored.keys()}  # noqa: SIM118
             tree = json.loads((stored.metadata() or {})["state"])
         return _from_tree(tree, tensors)
+
+
+@contextmanager
+def _refused_if_unreadable(path: Path) -> Iterator[None]:
+    """Turn a failure to read the training state ``path`` into a RunDirError saying so."""
+    try:
+        yield
     except (OSError, SafetensorError, KeyError, ValueError, TypeError) as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise RunDirError(f"cannot read {path}: {reason}; it is refused as it is: restore "
@@ -352,18 +380,20 @@ def read_state(path: Path, device: str | torch.device = "cpu") -> dict:
 
 def load_pickled_tensors(path: Path, device: str | torch.device = "cpu") -> object:
     """A PyTorch file (pickle) read with ``torch.load(weights_only=True)``: tensors and plain
-    containers only, so that it cannot run code. Any other file is refused with ValueError,
-    whose message never suggests lifting the restriction."""
+    containers only, so that it cannot run code. Any other file is refused with
+    :class:`CheckpointFileError`, whose message never suggests lifting the restriction."""
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as exc:
         if "GLOBAL" in str(exc):  # torch refused to import something: code, or objects
-            raise ValueError(f"{path} holds objects other than tensors and plain values; "
-                             "adaspan does not load it, as that could run code") from None
-        raise ValueError(f"{path} is not a PyTorch file (it cannot be unpickled)") from None
+            raise CheckpointFileError(f"{path} holds objects other than tensors and plain "
+                                      "values; adaspan does not load it, as that could run "
+                                      "code") from None
+        raise CheckpointFileError(f"{path} is not a PyTorch file (it cannot be "
+                                  "unpickled)") from None
     except (RuntimeError, EOFError, AttributeError, ImportError) as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"{path} is not a PyTorch file: {first_line}") from None
+        raise CheckpointFileError(f"{path} is not a PyTorch file: {first_line}") from None
 
 
 def _to_tree(value: object, tensors: dict[str, torch.Tensor]) -> object:

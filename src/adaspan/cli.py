@@ -1,5 +1,9 @@
-"""The ``adaspan`` command line: train, evaluate, generate, inspect, bench, compare, download,
-presets, demo, convert-official."""
+"""The ``adaspan`` command line: train, evaluate, generate, inspect, report, bench, download,
+presets, demo, compare, convert-official.
+
+A failure the user can act on (a :class:`~adaspan.errors.UserError`, an OSError, a
+MemoryError) ends with one line and exit status 2; any other exception is a bug in adaspan,
+reported on two lines with exit status 1. ``--debug`` shows the traceback of either."""
 
 from __future__ import annotations
 
@@ -17,11 +21,14 @@ import numpy as np
 import torch
 
 from ._version import __version__
+from .errors import UserError
 from .registry import ATTENTIONS
 
+EXPECTED_ERRORS = (UserError, OSError, MemoryError)  # the user's to fix: one line, status 2
 
-class CLIError(Exception):
-    """A user error reported as one line, without a traceback."""
+
+class CLIError(UserError):
+    """A command-line option that is invalid (beyond what argparse checks)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,22 +48,18 @@ def main(argv: list[str] | None = None) -> int:
         if _is_main_process():
             print(f"\nadaspan: {stop or 'interrupted'}", file=sys.stderr)
         return 128 + getattr(stop, "signum", 2)
-    except _user_errors() as err:
+    except EXPECTED_ERRORS as err:
         if args.debug:
             raise
         print(f"adaspan: error: {_one_line(err)}", file=sys.stderr)
         return 2
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    """Expected failures: bad input or files, full disks, divergence. Reported on one line
-    (``--debug``: with the traceback)."""
-    from .analysis import PlotError
-    from .checkpoint import RunDirError
-    from .download import DataError
-
-    return (CLIError, ValueError, OSError, FloatingPointError, MemoryError, DataError,
-            RunDirError, PlotError)
+    except Exception as err:
+        if args.debug:
+            raise
+        print(f"adaspan: error: {_one_line(err)}", file=sys.stderr)
+        print("adaspan: this is a bug in adaspan; run with --debug for the traceback",
+              file=sys.stderr)
+        return 1
 
 
 def _is_main_process() -> bool:
@@ -67,11 +70,15 @@ def _is_main_process() -> bool:
 
 
 def _one_line(err: Exception) -> str:
-    """The error's message on one line (OSError: its reason and file)."""
+    """The error's message on one line: for an OSError its reason and file; for a bug (an
+    exception of no expected type) its type, then its message."""
     if isinstance(err, OSError) and err.strerror:
         where = f": {err.filename}" if err.filename else ""
         return f"{err.strerror}{where}"
-    return " ".join(str(err).split()) or type(err).__name__
+    message = " ".join(str(err).split())
+    if isinstance(err, EXPECTED_ERRORS):
+        return message or type(err).__name__
+    return ": ".join(filter(None, (type(err).__name__, message)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,13 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _command(commands, run, run_dir: bool = False) -> argparse.ArgumentParser:
-    """The sub-command carried out by the function ``run`` (``_convert_official``:
-    ``convert-official``), whose docstring gives the command's help (first paragraph) and
-    description; ``run_dir``: its first argument is a run directory."""
+def _command(commands, name: str, run, run_dir: bool = False) -> argparse.ArgumentParser:
+    """The sub-command ``name`` carried out by the function ``run``, whose docstring gives the
+    command's help (first paragraph) and description; ``run_dir``: its first argument is a run
+    directory."""
     doc = inspect.getdoc(run)
-    parser = commands.add_parser(run.__name__[1:].replace("_", "-"), help=doc.split("\n\n")[0],
-                                 description=doc)
+    parser = commands.add_parser(name, help=doc.split("\n\n")[0], description=doc)
     parser.set_defaults(run=run)
     if run_dir:
         parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
@@ -117,7 +123,7 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_train(commands) -> None:
-    p = _command(commands, _train)
+    p = _command(commands, "train", _train)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="override any option, e.g. lr=0.01 or model.max_span=1024")
     p.add_argument("--preset", help="named configuration (see `adaspan presets`)")
@@ -142,7 +148,7 @@ def _train(args: argparse.Namespace) -> int:
     the options below < KEY=VALUE overrides."""
     from .checkpoint import load_run_config, new_run_dir
     from .presets import resolve_config
-    from .train import train
+    from .train import RunComplete, train
 
     overrides = _config_overrides(args)
     if args.resume:
@@ -155,10 +161,15 @@ def _train(args: argparse.Namespace) -> int:
     else:
         model_config, train_config = resolve_config(args.preset, args.config, overrides)
         run_dir = args.run_dir or new_run_dir(args.preset or "run")
-    summary = train(model_config, train_config, run_dir, resume=bool(args.resume),
-                    progress=not args.no_progress)
-    if _is_main_process():  # under torchrun: one summary, not one per process
-        print(json.dumps(_rounded(summary)))
+    try:
+        summary = train(model_config, train_config, run_dir, resume=bool(args.resume),
+                        progress=not args.no_progress)
+    except RunComplete as complete:  # a finished run, left as it is: nothing to do
+        line = str(complete)
+    else:
+        line = json.dumps(_rounded(summary))
+    if _is_main_process():  # under torchrun: one line, not one per process
+        print(line)
     return 0
 
 
@@ -166,7 +177,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_evaluate(commands) -> None:
-    p = _command(commands, _evaluate, run_dir=True)
+    p = _command(commands, "evaluate", _evaluate, run_dir=True)
     p.add_argument("--data", help="corpus (default: the one the run was trained on); for a run "
                    "made by convert-official, a directory in the authors' format")
     p.add_argument("--data-dir", help="cache directory for enwik8/text8")
@@ -191,15 +202,13 @@ def _evaluate(args: argparse.Namespace) -> int:
     """Bits per character of a trained model on a split."""
     from .checkpoint import load_model, read_config
     from .evaluate import evaluate
-    from .official import read_vocab
+    from .official import run_split
 
-    saved = read_config(args.run_dir)
-    vocab = read_vocab(args.run_dir)
-    tokens, name, unit = (_official_split(args, saved, vocab) if vocab is not None
-                          else _corpus_split(args, saved))
+    tokens, name, unit = run_split(args.run_dir, args.split, args.data, args.data_dir,
+                                   progress=not args.no_progress)
+    block_size = args.block_size or read_config(args.run_dir)["train"]["block_size"]
     model = load_model(args.run_dir, _device(args.device))
-    result = evaluate(model, tokens, batch_size=args.batch_size,
-                      block_size=args.block_size or saved["train"]["block_size"],
+    result = evaluate(model, tokens, batch_size=args.batch_size, block_size=block_size,
                       progress=not args.no_progress, max_chars=args.max_chars, dtype=args.dtype,
                       token_logprobs=args.token_logprobs is not None)
     if args.token_logprobs is not None:
@@ -212,31 +221,11 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _corpus_split(args: argparse.Namespace, saved: dict) -> tuple[np.ndarray, str, str]:
-    """Tokens of the split of an adaspan byte corpus, its name, and the unit scored."""
-    from .data import load_corpus
-
-    corpus = load_corpus(args.data or saved["train"]["data"], args.data_dir or
-                         saved["train"].get("data_dir"), progress=not args.no_progress)
-    return corpus.split(args.split), corpus.name, "character"
-
-
-def _official_split(
-    args: argparse.Namespace, saved: dict, vocab: list[str]
-) -> tuple[np.ndarray, str, str]:
-    """Tokens of a split file of an authors'-format directory (for a converted run), the
-    directory's name, and the unit scored."""
-    from .official import encode_split
-
-    data_dir = args.data or saved["train"]["data"]
-    return encode_split(data_dir, args.split, vocab), f"{data_dir} (authors' format)", "symbol"
-
-
 # ------------------------------------------------------------------------------------- generate
 
 
 def _add_generate(commands) -> None:
-    p = _command(commands, _generate, run_dir=True)
+    p = _command(commands, "generate", _generate, run_dir=True)
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--length", type=int, default=500, help="bytes to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -254,18 +243,16 @@ def _generate(args: argparse.Namespace) -> int:
     Print the prompt, then each character as it is sampled."""
     from .checkpoint import load_model
     from .generate import stream
-    from .official import byte_codec, encode_bytes, read_vocab
+    from .official import run_codec
 
-    vocab = read_vocab(args.run_dir)
-    to_id, to_byte = byte_codec(vocab) if vocab is not None else (None, None)
+    codec = run_codec(args.run_dir)
     model = load_model(args.run_dir, _device(args.device))
-    prompt = typed = os.fsencode(args.prompt)  # the bytes typed, UTF-8 or not
+    typed = os.fsencode(args.prompt)  # the bytes typed, UTF-8 or not
     shown = typed.decode("utf-8", errors="replace")
-    if to_id is not None:  # a converted run: token ids of byte symbols, <eos> for newlines
-        prompt = bytes(encode_bytes(prompt or b"\n", to_id, "prompt"))
+    prompt = codec.encode(typed or b"\n", "prompt")  # empty: a line start, as stream() reads it
     tokens = stream(model, prompt, args.length, args.temperature, args.top_k,
                     torch.Generator().manual_seed(args.seed))
-    chars = (to_byte[token] for token in tokens) if to_byte is not None else tokens
+    chars = codec.decode(tokens)
     if args.json:
         tic = time.perf_counter()
         text = bytes(chars)
@@ -296,7 +283,7 @@ def _write_stream(prompt: str, chars) -> None:
 
 
 def _add_inspect(commands) -> None:
-    p = _command(commands, _inspect, run_dir=True)
+    p = _command(commands, "inspect", _inspect, run_dir=True)
     p.add_argument("--plot", type=Path, metavar="DIR",
                    help="write spans.png and curves.png into DIR (e.g. the run directory)")
     p.add_argument("--json", action="store_true", help="print spans and summary as JSON")
@@ -332,7 +319,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _add_report(commands) -> None:
-    p = _command(commands, _report, run_dir=True)
+    p = _command(commands, "report", _report, run_dir=True)
     p.add_argument("--out", type=Path, metavar="DIR", help="output directory [RUN_DIR/report]")
     p.add_argument("--text", help="text of the Figure 5 panel (dynamic spans) [a piece of the "
                    "run's valid split]")
@@ -369,7 +356,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _add_bench(commands) -> None:
-    p = _command(commands, _bench)
+    p = _command(commands, "bench", _bench)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="model options")
     p.add_argument("--preset", help="take the model of this preset")
     p.add_argument("--config", type=Path, help="TOML file with a [model] table")
@@ -410,7 +397,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _add_download(commands) -> None:
-    p = _command(commands, _download)
+    p = _command(commands, "download", _download)
     p.add_argument("name", choices=("enwik8", "text8"))
     p.add_argument("--data-dir", help="where enwik8/text8 are cached (default: $ADASPAN_DATA "
                    "or ~/.cache/adaspan)")
@@ -428,7 +415,7 @@ def _download(args: argparse.Namespace) -> int:
 
 
 def _add_presets(commands) -> None:
-    p = _command(commands, _presets)
+    p = _command(commands, "presets", _presets)
     p.add_argument("name", nargs="?", help="show this preset's options")
 
 
@@ -453,7 +440,7 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def _add_demo(commands) -> None:
-    p = _command(commands, _demo)
+    p = _command(commands, "demo", _demo)
     p.add_argument("--minutes", type=_positive_float, default=6.0,
                    help="cap on training time (the demo preset runs 2,400 steps, ~4 min)")
     p.add_argument("--run-dir", type=Path, default=None,
@@ -473,7 +460,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_compare(commands) -> None:
-    p = _command(commands, _compare)
+    p = _command(commands, "compare", _compare)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="override any option for every method, e.g. d_model=128")
     p.add_argument("--methods", default=",".join(ATTENTIONS),
@@ -529,7 +516,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _add_convert_official(commands) -> None:
     from .official import DEFAULT_DROPOUT, DEFAULT_RAMP, DEFAULT_SPAN_LOSS
 
-    p = _command(commands, _convert_official)
+    p = _command(commands, "convert-official", _convert_official)
     p.add_argument("checkpoint", type=Path, metavar="CHECKPOINT.pt")
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new (or empty) run directory")
     p.add_argument("--data", type=Path, required=True, metavar="DATA_DIR",

@@ -17,24 +17,40 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .analysis import PlotError, flops_per_char, span_summary
+from .analysis import (
+    PlotError,
+    compare_figure,
+    flops_per_char,
+    png_bytes,
+    require_plots,
+    span_summary,
+)
 from .checkpoint import RunDirError, atomic_write, load_model, load_run_config, stored_form
 from .config import ModelConfig, TrainConfig
 from .data import load_corpus
 from .distributed import resolve_device
+from .errors import UserError
 from .evaluate import evaluate
 from .model import SpanLM
+from .page import Column, compare_page
 from .registry import ATTENTIONS
+from .report import run_events
 from .train import train
 
 SUMMARY_FILE = "train_summary.json"  # written into a method's run directory once trained
 MARKDOWN_FILE = "compare.md"
 CSV_FILE = "compare.csv"
+COMPARE_FIGURE = "compare_curves.png"
+COMPARE_PAGE = "compare.html"
 FOOTNOTES = (
     "FLOPs/char: forward multiply-adds per character (the paper's FLOPS), attention over the "
     "keys each head uses.",
     "chars/s: training throughput on this machine.",
 )
+
+
+class MethodError(UserError, ValueError):
+    """Methods to compare that are unknown or given more than once."""
 
 
 def _si(value: float) -> str:
@@ -45,8 +61,8 @@ def _si(value: float) -> str:
     return f"{value:.0f}"
 
 
-# Row key, Markdown header and cell format of every column, in the order of the table.
-COLUMNS: tuple[tuple[str, str, Callable[[object], str]], ...] = (
+# Row key, header and cell format of every column, in the order of the table.
+COLUMNS: tuple[Column, ...] = (
     ("method", "Method", str),
     ("layers", "#layers", str),
     ("avg_span", "Avg. span", "{:.0f}".format),
@@ -74,7 +90,8 @@ def compare(
     Row keys: ``method``, ``layers``, ``avg_span``, ``params``, ``flops_per_char``,
     ``chars_per_s`` (training), ``steps``, ``valid_bpc`` and, if ``evaluate_test``,
     ``test_bpc``; bpc is measured on the whole split, or its first ``eval_chars`` characters
-    (rounded up to whole blocks). Also writes ``out_dir/compare.md`` and ``out_dir/compare.csv``.
+    (rounded up to whole blocks). Also writes ``out_dir/compare.md`` and ``out_dir/compare.csv``
+    and, with matplotlib, ``out_dir/compare_curves.png`` and ``out_dir/compare.html``.
     """
     _check_methods(methods)
     configs = {method: replace(model_config, attention=method) for method in methods}
@@ -82,7 +99,7 @@ def compare(
     corpus = load_corpus(train_config.data, train_config.data_dir, progress=progress)
     device = resolve_device(train_config.device)
     splits = ("valid", "test") if evaluate_test else ("valid",)
-    rows = []
+    rows, learned = [], {}
     for method, config in configs.items():
         run_dir = out_dir / method
         summary = _train_or_reuse(config, train_config, run_dir, progress, log)
@@ -92,34 +109,44 @@ def compare(
                                         progress=progress, max_chars=eval_chars)["bpc"]
                for split in splits}
         rows.append(_row(method, model, summary, bpc, train_config.block_size))
+        if model.span_type.learned:
+            learned[method] = model.spans()
     write_csv(rows, out_dir / CSV_FILE)
-    markdown = f"{_caption(train_config, eval_chars)}\n\n{format_markdown(rows)}"
-    (out_dir / MARKDOWN_FILE).write_text(markdown)
+    caption = _caption(train_config, eval_chars)
+    (out_dir / MARKDOWN_FILE).write_text(f"{caption}\n\n{format_markdown(rows)}")
     log(f"wrote {out_dir / MARKDOWN_FILE} and {out_dir / CSV_FILE}")
-    _write_figures(out_dir, methods, markdown, log)
+    try:
+        page = write_compare_page(out_dir, rows, caption, learned, model_config.max_span)
+    except PlotError as err:
+        log(f"no figures: {err}")
+    else:
+        log(f"wrote {out_dir / COMPARE_FIGURE} and {page}")
     return rows
 
 
-def _write_figures(out_dir: Path, methods: list[str], markdown: str,
-                   log: Callable[[str], None]) -> None:
-    """The methods' curves side by side (PNG and an HTML page); skipped without matplotlib."""
-    from .report import COMPARE_FIGURE, write_compare_page
-
-    try:
-        page = write_compare_page(out_dir, methods, markdown)
-    except PlotError as err:
-        log(f"no figures: {err}")
-        return
-    log(f"wrote {out_dir / COMPARE_FIGURE} and {page}")
+def write_compare_page(out_dir: Path, rows: list[dict], caption: str,
+                       learned: dict[str, list[list[float]]], max_span: int) -> Path:
+    """Write ``out_dir/compare_curves.png`` (bpc of every method of ``rows`` against training
+    time and steps, average span) and ``out_dir/compare.html`` (that figure, the table of
+    ``rows`` under ``caption``, and the final spans ``learned`` of each method with learned
+    spans); return the page's path."""
+    require_plots()
+    runs = {row["method"]: run_events(out_dir / row["method"]) for row in rows}
+    png = png_bytes(compare_figure(runs))
+    (out_dir / COMPARE_FIGURE).write_bytes(png)
+    page = out_dir / COMPARE_PAGE
+    page.write_text(compare_page(out_dir.name, png, caption, rows, _columns(rows), FOOTNOTES,
+                                 learned, max_span))
+    return page
 
 
 def _check_methods(methods: list[str]) -> None:
     unknown = [m for m in methods if m not in ATTENTIONS]
     if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(map(repr, unknown))}; "
+        raise MethodError(f"unknown method(s) {', '.join(map(repr, unknown))}; "
                          f"choose from {', '.join(ATTENTIONS)}")
     if not methods or len(set(methods)) != len(methods):
-        raise ValueError(f"give each method once (at least one), got {', '.join(methods)!r}")
+        raise MethodError(f"give each method once (at least one), got {', '.join(methods)!r}")
 
 
 def _train_or_reuse(
@@ -170,11 +197,16 @@ def _caption(train_config: TrainConfig, eval_chars: int | None) -> str:
 
 def format_markdown(rows: list[dict]) -> str:
     """``rows`` as a Markdown table in the form of the paper's Table 1, with column notes."""
-    columns = [column for column in COLUMNS if column[0] in rows[0]]
+    columns = _columns(rows)
     lines = [_cells(header for _, header, _ in columns),
              _cells(":---" if key == "method" else "---:" for key, _, _ in columns)]
     lines += [_cells(fmt(row[key]) for key, _, fmt in columns) for row in rows]
     return "\n".join([*lines, "", *(f"- {note}" for note in FOOTNOTES)]) + "\n"
+
+
+def _columns(rows: list[dict]) -> list[Column]:
+    """The columns of the table that ``rows`` have."""
+    return [column for column in COLUMNS if column[0] in rows[0]]
 
 
 def _cells(values: Iterable[str]) -> str:

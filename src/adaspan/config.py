@@ -14,6 +14,7 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 from .distributed import DEVICE
+from .errors import UserError
 from .registry import ATTENTIONS
 
 TRUNCATIONS = ("head", "layer", "none")
@@ -21,6 +22,11 @@ POSITION_TABLES = ("model", "layer")
 OPTIMIZERS = ("adagrad", "adamw")
 CLIP_MODES = ("per-tensor-lr", "global")
 DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(UserError, ValueError):
+    """An invalid option: of a configuration, a preset, a TOML file, an override or a
+    command."""
 
 
 def option(default: Any, help: str, *, choices: Collection[str] | None = None,
@@ -44,7 +50,7 @@ class Options:
         """Build from a mapping, rejecting unknown keys with a clear error."""
         unknown = sorted(set(values) - {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(f"unknown {cls.section} option(s): {', '.join(unknown)}")
+            raise ConfigError(f"unknown {cls.section} option(s): {', '.join(unknown)}")
         return cls(**values)
 
     @classmethod
@@ -215,13 +221,13 @@ SECTIONS: dict[str, type[Options]] = {"model": ModelConfig, "train": TrainConfig
 
 
 def require(name: str, value: object, ok: Callable[[Any], object], what: str) -> None:
-    """Raise ``ValueError("<name> must be <what>, got <value>")`` unless ``ok(value)``."""
+    """Raise ``ConfigError("<name> must be <what>, got <value>")`` unless ``ok(value)``."""
     try:
         valid = bool(ok(value))
     except TypeError:
         valid = False
     if not valid:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:

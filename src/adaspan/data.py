@@ -31,6 +31,11 @@ DEFAULT_SPLIT = (0.9, 0.05)
 SPLITS = ("train", "valid", "test")
 EMBEDDED = {"kjv": "kjv.txt.gz"}  # corpus name -> gzip file in the adaspan.corpus package data
 
+
+class ShortDataError(DataError, ValueError):
+    """Too few tokens for the streams or the blocks a :class:`BlockStream` is asked for."""
+
+
 _SPLIT_STEMS = {"train": ("train",), "valid": ("valid", "val"), "test": ("test",)}
 _SPLIT_SUFFIXES = (".txt", "", ".gz", ".txt.gz")
 
@@ -253,12 +258,12 @@ class BlockStream:
             )
         n = (len(tokens) - 1) // batch_size
         if n < 1:
-            raise ValueError(
+            raise ShortDataError(
                 f"{len(tokens)} tokens are too few for batch_size {batch_size}: each stream "
                 f"needs an input and a target, so at least {batch_size + 1} tokens"
             )
         if drop_last and n < block_size:
-            raise ValueError(
+            raise ShortDataError(
                 f"streams of {n} tokens are shorter than block_size {block_size}, so "
                 "drop_last=True leaves no block; lower batch_size or block_size"
             )

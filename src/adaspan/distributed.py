@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as torch_dist
 
+from .errors import UserError
+
 
 @dataclass(frozen=True)
 class Distributed:
@@ -74,13 +76,21 @@ class Distributed:
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+class DeviceError(UserError, ValueError):
+    """A device that is not one of auto, cpu, cuda, cuda:N, or that this machine lacks."""
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """The device ``name`` (auto, cpu, cuda or cuda:N); plain ``cuda`` means GPU
     ``local_rank``."""
     if not DEVICE.fullmatch(name):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+        raise DeviceError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available here; use cpu")
-    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
+        raise DeviceError(f"device {name!r} asked for, but CUDA is not available here; use cpu")
+    device = torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise DeviceError(f"device {str(device)!r} asked for, but this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s)")
+    return device

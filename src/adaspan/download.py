@@ -19,6 +19,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .errors import UserError
+
 DATA_ENV = "ADASPAN_DATA"
 MIRROR_ENV = "ADASPAN_MIRROR"
 MAHONEY_URL = "http://mattmahoney.net/dc/"
@@ -28,7 +30,7 @@ MIN_SPLIT_BYTES = 2  # one input byte and its target
 _CHUNK = 1 << 20
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A corpus cannot be found, fetched, verified or read; the message says what to do."""
 
 

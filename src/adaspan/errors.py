@@ -1,6 +1,10 @@
 """Expected failures. An error of this kind is the user's to fix (a bad option, a missing or
 corrupt file, a run that diverged): the command line prints its message on one line and exits
-with status 2. Any other exception is a bug and is reported as one (status 1)."""
+with status 2, as it does for an OSError (the file system: a missing file, a full disk) and a
+MemoryError. Any other exception is a bug and is reported as one (status 1).
+
+Each module defines the subclasses of its own failures (``config.ConfigError``,
+``checkpoint.RunDirError``, ``download.DataError``, ...)."""
 
 
 class UserError(Exception):

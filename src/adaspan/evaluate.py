@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .config import ConfigError
 from .data import BlockStream
 from .model import SpanLM
 
@@ -40,7 +41,7 @@ def evaluate(
     stream 0, then stream 1, ...: text order when ``batch_size`` is 1), a float32 array.
     """
     if max_chars is not None and max_chars < 1:
-        raise ValueError(f"max_chars must be >= 1 or None, got {max_chars}")
+        raise ConfigError(f"max_chars must be >= 1 or None, got {max_chars}")
     if max_chars is not None:
         tokens = tokens[: max_chars + 1]  # max_chars targets
     stream = BlockStream(tokens, batch_size, block_size)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .config import ConfigError
 from .model import SpanLM
 
 
@@ -32,11 +33,11 @@ def stream(
     checked at the call; the model is in eval mode until the iterator is exhausted or closed.
     """
     if length < 0:
-        raise ValueError(f"length must be >= 0, got {length}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+        raise ConfigError(f"length must be >= 0, got {length}")
+    if not temperature >= 0:  # NaN too
+        raise ConfigError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
-        raise ValueError(f"top_k must be in [1, {model.config.vocab_size}], got {top_k}")
+        raise ConfigError(f"top_k must be in [1, {model.config.vocab_size}], got {top_k}")
     return _stream(model, prompt, length, temperature, top_k, generator)
 
 

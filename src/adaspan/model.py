@@ -22,6 +22,7 @@ from . import attention, baselines  # noqa: F401 (importing them registers the b
 from .cache import Cache, KeyValueCache
 from .config import ModelConfig
 from .registry import ATTENTIONS
+from .span import Span
 
 
 class FeedForward(nn.Module):
@@ -99,6 +100,12 @@ class SpanLM(nn.Module):
         if not terms:
             return self.embed.weight.new_zeros(())
         return self.config.span_loss_coef / self.config.n_heads * torch.stack(terms).sum()
+
+    @property
+    def span_type(self) -> type[Span]:
+        """The span type of the layers' attention (every layer has the same): what it
+        declares (:attr:`Span.learned`, :attr:`Span.input_dependent`) says what the spans do."""
+        return type(self.layers[0].attn.span)
 
     def spans(self) -> list[list[float]]:
         """Span (``min(S, z + R)``, in tokens) of every head, per layer."""

@@ -9,7 +9,8 @@ adaspan run directory whose model gives the same log-probabilities on the same t
 Their data format: a directory with ``train.txt``, ``valid.txt`` and ``test.txt``; each line is
 split on whitespace and ends with the symbol ``<eos>``; the vocabulary lists the symbols in order
 of first appearance over train, valid, then test. A converted run stores that list in
-``vocab.json`` (:data:`VOCAB_FILE`).
+``vocab.json`` (:data:`VOCAB_FILE`). :func:`run_split` and :func:`run_codec` give the tokens of
+any run, converted or not, so that evaluating and sampling need not know which it is.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from __future__ import annotations
 import json
 import re
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,9 +33,12 @@ from .checkpoint import (
     RunDirError,
     atomic_write,
     load_pickled_tensors,
+    read_config,
     save_config,
 )
 from .config import ModelConfig, TrainConfig
+from .data import load_corpus
+from .errors import UserError
 from .model import SpanLM
 
 VOCAB_FILE = "vocab.json"
@@ -57,6 +63,11 @@ _MODEL_TENSORS = {"embed.weight": "in_emb.weight", "out.weight": "out_emb.weight
                   "out.bias": "out_emb.bias"}
 
 
+class OfficialFormatError(UserError, ValueError):
+    """A checkpoint or data directory of the authors' code that adaspan cannot read or
+    convert, or bytes that a converted run's vocabulary has no symbol for."""
+
+
 # ------------------------------------------------------------------------------- checkpoint
 
 
@@ -70,8 +81,9 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], int]:
         state, step = saved, 0
     if not (isinstance(state, dict) and state
             and all(isinstance(t, Tensor) for t in state.values())):
-        raise ValueError(f"{path} holds neither a state dict nor a dict with a 'model' state "
-                         "dict: not a checkpoint of the authors' trainer")
+        raise OfficialFormatError(
+            f"{path} holds neither a state dict nor a dict with a 'model' state "
+            "dict: not a checkpoint of the authors' trainer")
     if all(key.startswith("module.") for key in state):
         state = {key[len("module."):]: t for key, t in state.items()}
     return state, int(step) if isinstance(step, int) else 0
@@ -88,18 +100,22 @@ def infer_config(
     _refuse_unsupported(state)
     for name in (*_MODEL_TENSORS.values(), "key_pe", "layers.0.ff.fc1.weight"):
         if name not in state:
-            raise ValueError(f"the checkpoint has no tensor {name!r}: not a model of the "
-                             "authors' adaptive-span code")
+            raise OfficialFormatError(
+                f"the checkpoint has no tensor {name!r}: not a model of the "
+                "authors' adaptive-span code")
     vocab_size, d_model = state["in_emb.weight"].shape
     if state["key_pe"].dim() != 3:
-        raise ValueError(f"key_pe has shape {tuple(state['key_pe'].shape)}, "
-                         "expected (1, d_head, span)")
+        raise OfficialFormatError(
+            f"key_pe has shape {tuple(state['key_pe'].shape)}, "
+            "expected (1, d_head, span)")
     _, d_head, max_span = state["key_pe"].shape
     if d_model % d_head:
-        raise ValueError(f"key_pe: head size {d_head} does not divide the model size {d_model}")
+        raise OfficialFormatError(
+            f"key_pe: head size {d_head} does not divide the model size {d_model}")
     layers = {int(m.group(1)) for key in state if (m := re.match(r"layers\.(\d+)\.", key))}
     if layers != set(range(len(layers))):
-        raise ValueError(f"the checkpoint's layers are not numbered 0..n-1: {sorted(layers)}")
+        raise OfficialFormatError(
+            f"the checkpoint's layers are not numbered 0..n-1: {sorted(layers)}")
     adaptive = f"layers.0.{_MASK}current_val" in state
     return ModelConfig(
         vocab_size=vocab_size, d_model=d_model, n_heads=d_model // d_head, n_layers=len(layers),
@@ -111,12 +127,14 @@ def infer_config(
 def _refuse_unsupported(state: dict[str, Tensor]) -> None:
     """A clear error for the authors' options that adaspan has no counterpart for."""
     if any("persistent_memory" in key for key in state):
-        raise ValueError("the checkpoint uses persistent memory (--pers-mem-size), which "
-                         "adaspan does not support")
+        raise OfficialFormatError(
+            "the checkpoint uses persistent memory (--pers-mem-size), which "
+            "adaspan does not support")
     plain_io = {"in_emb.weight", "out_emb.weight", "out_emb.bias"}
     if any(key.startswith(("in_emb.", "out_emb.")) and key not in plain_io for key in state):
-        raise ValueError("the checkpoint uses adaptive input/output (--adapt-io), which adaspan "
-                         "does not support")
+        raise OfficialFormatError(
+            "the checkpoint uses adaptive input/output (--adapt-io), which adaspan "
+            "does not support")
 
 
 def convert_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
@@ -133,7 +151,7 @@ def convert_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Te
             expected.add(f"layers.{i}.{_MASK}mask_template")
         missing = sorted(theirs for theirs in names.values() if theirs not in state)
         if missing:
-            raise ValueError(f"the checkpoint lacks {', '.join(missing)}")
+            raise OfficialFormatError(f"the checkpoint lacks {', '.join(missing)}")
         weights.update({ours: state[theirs] for ours, theirs in names.items()})
         expected.update(names.values())
         if config.attention == "adaptive":
@@ -142,8 +160,9 @@ def convert_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Te
                 state[f"layers.{i}.{_MASK}current_val"], config.max_span, i)
     unexpected = sorted(set(state) - expected)
     if unexpected:
-        raise ValueError(f"the checkpoint has tensors adaspan cannot map: "
-                         f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+        raise OfficialFormatError(
+            f"the checkpoint has tensors adaspan cannot map: "
+            f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
     return {name: t.detach().float().contiguous() for name, t in weights.items()}
 
 
@@ -156,16 +175,18 @@ def z_fraction(current_val: Tensor, max_span: int, layer: int = 0) -> Tensor:
     """
     z = current_val.detach().double().flatten() + 1.0 / max_span
     if (z < 0).any():
-        raise ValueError(f"layer {layer}: span parameter current_val {current_val.flatten()} "
-                         f"is below -1/S: no adaspan span gives that mask")
+        raise OfficialFormatError(
+            f"layer {layer}: span parameter current_val {current_val.flatten()} "
+            f"is below -1/S: no adaspan span gives that mask")
     return z.clamp(max=1.0).float()
 
 
 def _check_template(template: Tensor, max_span: int, layer: int) -> None:
     expected = torch.linspace(1 - max_span, 0, max_span, dtype=torch.float64)
     if template.shape != expected.shape or not torch.allclose(template.double(), expected):
-        raise ValueError(f"layer {layer}: mask_template is not linspace(1 - S, 0, S) for "
-                         f"S = {max_span}: not a mask of the authors' code")
+        raise OfficialFormatError(
+            f"layer {layer}: mask_template is not linspace(1 - S, 0, S) for "
+            f"S = {max_span}: not a mask of the authors' code")
 
 
 # ------------------------------------------------------------------------------- data format
@@ -179,10 +200,11 @@ def read_symbols(path: Path) -> Iterator[tuple[int, list[str]]]:
             for number, line in enumerate(lines, 1):
                 yield number, [*line.split(), EOS]
     except FileNotFoundError as exc:
-        raise ValueError(f"{path} does not exist: the data directory must hold "
-                         f"{', '.join(SPLIT_FILES.values())}") from exc
+        raise OfficialFormatError(
+            f"{path} does not exist: the data directory must hold "
+            f"{', '.join(SPLIT_FILES.values())}") from exc
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from exc
+        raise OfficialFormatError(f"cannot read {path}: {exc}") from exc
 
 
 def build_vocab(data_dir: str | Path) -> list[str]:
@@ -199,7 +221,8 @@ def encode_split(data_dir: str | Path, split: str, vocab: list[str]) -> np.ndarr
     """Token ids (int32) of split ``split`` of ``data_dir`` under ``vocab``; an unknown symbol
     is an error naming it and its line."""
     if split not in SPLIT_FILES:
-        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLIT_FILES)}")
+        raise OfficialFormatError(
+            f"unknown split {split!r}; expected one of {', '.join(SPLIT_FILES)}")
     path = Path(data_dir) / SPLIT_FILES[split]
     index = {symbol: i for i, symbol in enumerate(vocab)}
     ids = array("i")
@@ -207,8 +230,9 @@ def encode_split(data_dir: str | Path, split: str, vocab: list[str]) -> np.ndarr
         try:
             ids.extend([index[s] for s in symbols])
         except KeyError as exc:
-            raise ValueError(f"{path}, line {number}: symbol {exc.args[0]!r} is not in the "
-                             "vocabulary of the converted run") from None
+            raise OfficialFormatError(
+                f"{path}, line {number}: symbol {exc.args[0]!r} is not in the "
+                "vocabulary of the converted run") from None
     return np.frombuffer(ids, dtype=np.int32)
 
 
@@ -233,23 +257,80 @@ def byte_codec(vocab: list[str]) -> tuple[dict[int, int], list[int]]:
     for symbol in vocab:
         value = 10 if symbol == EOS else int(symbol) if re.fullmatch(r"\d{1,3}", symbol) else -1
         if not 0 <= value < 256:
-            raise ValueError(f"generation needs a vocabulary of byte values (decimal 0-255) and "
-                             f"{EOS}; this run has the symbol {symbol!r}")
+            raise OfficialFormatError(
+                f"generation needs a vocabulary of byte values (decimal 0-255) and "
+                f"{EOS}; this run has the symbol {symbol!r}")
         to_byte.append(value)
     to_id = {byte: i for i, byte in enumerate(to_byte)}
     if len(to_id) != len(to_byte):
-        raise ValueError("generation needs one symbol per byte; this vocabulary has two for one "
-                         f"byte (e.g. both '10' and {EOS})")
+        raise OfficialFormatError(
+            "generation needs one symbol per byte; this vocabulary has two for one "
+            f"byte (e.g. both '10' and {EOS})")
     return to_id, to_byte
 
 
 def encode_bytes(data: bytes, to_id: dict[int, int], what: str = "text") -> list[int]:
     """Token ids of the bytes ``data`` in a vocabulary of bytes (``to_id`` of
-    :func:`byte_codec`); a byte without a symbol is a ValueError naming it."""
+    :func:`byte_codec`); a byte without a symbol is an error naming it."""
     missing = sorted(set(data) - set(to_id))
     if missing:
-        raise ValueError(f"the {what} has bytes outside this run's vocabulary: {missing}")
+        raise OfficialFormatError(f"the {what} has bytes outside this run's vocabulary: {missing}")
     return [to_id[b] for b in data]
+
+
+# ------------------------------------------------------------------------------ tokens of a run
+
+
+class RunSplit(NamedTuple):
+    """A split of a run's corpus: its token ids, the corpus's name and what one token is."""
+
+    tokens: np.ndarray
+    name: str
+    unit: str  # "character" (a byte of an adaspan corpus) or "symbol" (the authors' format)
+
+
+def run_split(
+    run_dir: str | Path,
+    split: str,
+    data: str | Path | None = None,
+    data_dir: str | Path | None = None,
+    progress: bool = True,
+) -> RunSplit:
+    """Split ``split`` of the corpus of ``run_dir``, or of ``data``, as the run's tokens: the
+    bytes of an adaspan corpus (``data_dir``: where enwik8/text8 are cached; default, the
+    run's), or for a converted run the symbol ids of a directory in the authors' format."""
+    saved = read_config(run_dir)["train"]
+    vocab = read_vocab(run_dir)
+    if vocab is None:
+        corpus = load_corpus(data or saved["data"], data_dir or saved.get("data_dir"),
+                             progress=progress)
+        return RunSplit(corpus.split(split), corpus.name, "character")
+    folder = data or saved["data"]
+    return RunSplit(encode_split(folder, split, vocab), f"{folder} (authors' format)", "symbol")
+
+
+@dataclass(frozen=True)
+class RunCodec:
+    """Bytes to a run's token ids and back: the identity for an adaspan run, whose tokens are
+    bytes; for a converted run, its vocabulary of byte values and ``<eos>`` (the newline)."""
+
+    to_id: dict[int, int] | None = None
+    to_byte: list[int] | None = None
+
+    def encode(self, data: bytes, what: str = "text") -> bytes:
+        """The token ids of ``data``, one byte each; a byte the run has no symbol for is an
+        error naming the ``what``."""
+        return data if self.to_id is None else bytes(encode_bytes(data, self.to_id, what))
+
+    def decode(self, tokens: Iterable[int]) -> Iterator[int]:
+        """The byte of each token id, each as it comes."""
+        return iter(tokens) if self.to_byte is None else (self.to_byte[t] for t in tokens)
+
+
+def run_codec(run_dir: str | Path) -> RunCodec:
+    """The :class:`RunCodec` of ``run_dir`` (for sampling from it)."""
+    vocab = read_vocab(run_dir)
+    return RunCodec() if vocab is None else RunCodec(*byte_codec(vocab))
 
 
 # ----------------------------------------------------------------------------------- convert
@@ -272,8 +353,9 @@ def convert(
     data_dir = Path(data_dir).resolve()
     vocab = build_vocab(data_dir)
     if len(vocab) != config.vocab_size:
-        raise ValueError(f"{data_dir} has {len(vocab)} symbols, the checkpoint's model "
-                         f"{config.vocab_size}: wrong data directory")
+        raise OfficialFormatError(
+            f"{data_dir} has {len(vocab)} symbols, the checkpoint's model "
+            f"{config.vocab_size}: wrong data directory")
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise RunDirError(f"{out_dir} exists and is not an empty directory: refusing to "
@@ -294,8 +376,9 @@ def _check_shapes(weights: dict[str, Tensor], config: ModelConfig) -> None:
         expected = SpanLM(config).state_dict()
     for name, tensor in expected.items():
         if weights[name].shape != tensor.shape:
-            raise ValueError(f"{name}: the checkpoint gives shape {tuple(weights[name].shape)}, "
-                             f"the model of its sizes needs {tuple(tensor.shape)}")
+            raise OfficialFormatError(
+                f"{name}: the checkpoint gives shape {tuple(weights[name].shape)}, "
+                f"the model of its sizes needs {tuple(tensor.shape)}")
 
 
 def describe(config: ModelConfig) -> str:

@@ -19,7 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .config import SECTIONS, ModelConfig, TrainConfig
+from .config import SECTIONS, ConfigError, ModelConfig, TrainConfig
 
 
 def _paper(model: dict, train: dict, description: str) -> dict:
@@ -101,7 +101,7 @@ def resolve_config(
         values = {"model": base[0].to_dict(), "train": base[1].to_dict()}
     if preset is not None:
         if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}{_suggest(preset, PRESETS)}; "
+            raise ConfigError(f"unknown preset {preset!r}{_suggest(preset, PRESETS)}; "
                              f"available: {', '.join(PRESETS)}")
         for section in SECTIONS:
             values[section].update(PRESETS[preset][section])
@@ -109,8 +109,8 @@ def resolve_config(
         try:
             for section, key, value in _read_toml(Path(config_file)):
                 values[section][key] = _coerce(section, key, value)
-        except ValueError as exc:
-            raise ValueError(f"config file {config_file}: {exc}") from None
+        except ConfigError as exc:
+            raise ConfigError(f"config file {config_file}: {exc}") from None
     for item in overrides:
         section, key, text = _parse_override(item)
         values[section][key] = _coerce(section, key, text)
@@ -120,15 +120,15 @@ def resolve_config(
 def _read_toml(path: Path) -> list[tuple[str, str, object]]:
     """(section, key, value) of every option of a TOML file with [model] and [train] tables."""
     try:
-        document = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read it: {exc}") from exc
+        document = tomllib.loads(path.read_text(encoding="utf-8"))  # as TOML requires
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read it: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"not valid TOML: {exc}") from exc
+        raise ConfigError(f"not valid TOML: {exc}") from exc
     options = []
     for section, table in document.items():
         if section not in SECTIONS or not isinstance(table, dict):
-            raise ValueError(f"unexpected {section!r}{_suggest(section, SECTIONS)}; "
+            raise ConfigError(f"unexpected {section!r}{_suggest(section, SECTIONS)}; "
                              "options go in [model] and [train] tables")
         options += [(section, key, value) for key, value in table.items()]
     return options
@@ -139,17 +139,17 @@ def _parse_override(item: str) -> tuple[str, str, str]:
     name, sep, text = item.partition("=")
     name = name.strip()
     if not sep or not name:
-        raise ValueError(f"override {item!r} must look like key=value (e.g. train.lr=0.01)")
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. train.lr=0.01)")
     section, dot, key = name.rpartition(".")
     if dot:
         return section, key, text.strip()
     owners = [s for s, cls in SECTIONS.items() if key in _field_names(cls)]
     if len(owners) > 1:
-        raise ValueError(f"option {key!r} is ambiguous: write "
+        raise ConfigError(f"option {key!r} is ambiguous: write "
                          f"{' or '.join(f'{s}.{key}' for s in owners)}")
     if not owners:
         known = [k for cls in SECTIONS.values() for k in _field_names(cls)]
-        raise ValueError(f"unknown option {key!r}{_suggest(key, known)}")
+        raise ConfigError(f"unknown option {key!r}{_suggest(key, known)}")
     return owners[0], key, text.strip()
 
 
@@ -158,13 +158,13 @@ def _field_names(cls: type) -> list[str]:
 
 
 def _field_type(section: str, key: str) -> object:
-    """Type annotation of option ``key`` of ``section``; ValueError naming close matches."""
+    """Type annotation of option ``key`` of ``section``; ConfigError naming close matches."""
     if section not in SECTIONS:
-        raise ValueError(f"unknown section {section!r} in {section}.{key}"
+        raise ConfigError(f"unknown section {section!r} in {section}.{key}"
                          f"{_suggest(section, SECTIONS)}; use model or train")
     hints = typing.get_type_hints(SECTIONS[section])
     if key not in _field_names(SECTIONS[section]):
-        raise ValueError(f"unknown {section} option {key!r}"
+        raise ConfigError(f"unknown {section} option {key!r}"
                          f"{_suggest(key, _field_names(SECTIONS[section]))}")
     return hints[key]
 
@@ -196,7 +196,7 @@ def _coerce(section: str, key: str, value: object) -> object:
     except (KeyError, ValueError):
         pass
     expected = _KINDS[kind] + (" or none" if optional else "")
-    raise ValueError(f"{section}.{key} must be {expected}, got {value!r}")
+    raise ConfigError(f"{section}.{key} must be {expected}, got {value!r}")
 
 
 def _parse(text: str, kind: type) -> object:

@@ -38,6 +38,7 @@ class Span(nn.Module):
     to (B, H, M), or ``None`` when the heads are unmasked (fixed span).
     """
 
+    learned = False  # True when z is trained (it has parameters and a penalty)
     input_dependent = False  # True when z depends on the tokens (then unknown in advance)
 
     def __init__(self, n_heads: int, max_span: int, ramp: int) -> None:
@@ -88,6 +89,8 @@ class FixedSpan(Span):
 class AdaptiveSpan(Span):
     """One learnable span per head: ``z = S * z'`` with ``z'`` in [0, 1] (paper §2.2, §3)."""
 
+    learned = True
+
     def __init__(self, n_heads: int, max_span: int, ramp: int, init: float = 0.0) -> None:
         super().__init__(n_heads, max_span, ramp)
         self.z_frac = nn.Parameter(torch.full((n_heads,), float(init)))
@@ -122,6 +125,7 @@ class DynamicSpan(Span):
     the spans of the most recent forward pass, averaged over the tokens of that pass.
     """
 
+    learned = True
     input_dependent = True
 
     def __init__(
@@ -142,6 +146,13 @@ class DynamicSpan(Span):
         if self._last_z is None:
             return self.max_span * torch.sigmoid(self.b).sum()
         return self._last_z.mean(dim=(0, 2)).sum()
+
+    def last_spans(self) -> Tensor:
+        """Span ``min(S, z_t + R)`` of every head at every token of the last forward pass:
+        (B, H, M) float tensor on the CPU."""
+        if self._last_z is None:
+            raise RuntimeError("no spans per token: no forward pass since the spans were set")
+        return (self._last_z.detach().float().cpu() + self.ramp).clamp(max=self.max_span)
 
     def spans(self) -> Tensor:
         if self._last_z is None:

@@ -43,11 +43,13 @@ from .checkpoint import (
     rng_state,
     save_checkpoint,
     save_config,
+    saved_step,
     stored_form,
 )
-from .config import ModelConfig, TrainConfig
+from .config import ConfigError, ModelConfig, TrainConfig
 from .data import BlockStream, Corpus, load_corpus
 from .distributed import Distributed, resolve_device
+from .errors import UserError
 from .evaluate import evaluate
 from .memory import check_training_memory
 from .metrics import MetricsLog
@@ -112,7 +114,8 @@ def train(
     Writes checkpoints every ``checkpoint_interval`` steps and when training ends, runs out of
     ``time_budget``, or is interrupted by SIGINT (Ctrl-C) or SIGTERM (the step under way is
     finished and saved, then :class:`Interrupted` is raised; a second signal aborts at once).
-    A run directory whose run stopped before its first checkpoint resumes from step 0.
+    A run directory whose run stopped before its first checkpoint resumes from step 0; one
+    already at ``steps`` raises :class:`RunComplete` and is left as it is.
     Temporary files of an interrupted save are removed. ``log`` receives one line per
     logged step (default: printed above the progress bar). Returns a summary: ``steps``,
     ``train_bpc``, ``valid_bpc``, ``chars_per_s``, ``avg_span``, ``max_span``, ``spans``,
@@ -133,6 +136,20 @@ def train(
         if owns_group:  # DistributedDataParallel (in reference cycles) goes before its group
             gc.collect()
             torch_dist.destroy_process_group()
+
+
+class RunComplete(RunDirError):
+    """A run resumed at the step it was asked to reach: nothing to train. Its message is the
+    run's state and the ``steps`` to pass to continue it (twice its step)."""
+
+    def __init__(self, run_dir: Path, step: int) -> None:
+        super().__init__(f"{run_dir} is complete at step {step}; pass steps={2 * step} to "
+                         "continue")
+        self.run_dir, self.step = run_dir, step
+
+
+class Diverged(UserError, FloatingPointError):
+    """Training stopped on a loss that is NaN/inf or far above a uniform guess."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -183,11 +200,13 @@ def build_run(
     """Check the run directory, seed, load the corpus, build model and optimiser, and restore
     the checkpoint (``resume``) or write the new run's configuration."""
     if config.batch_size % (dist.world_size * config.batch_split):
-        raise ValueError(
+        raise ConfigError(
             f"TrainConfig.batch_size={config.batch_size} must be divisible by "
             f"{dist.world_size} processes x batch_split={config.batch_split}"
         )
     prepare_run_dir(run_dir, model_config, config, resume)
+    if resume:
+        _check_steps_left(run_dir, config.steps)
     dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
     if dist.is_main and run_dir.is_dir():
         remove_temporaries(run_dir)
@@ -199,9 +218,6 @@ def build_run(
     resuming = resume and has_checkpoint(run_dir)
     if resuming:
         state = load_training_state(run_dir, model, optimizer, scheduler, device, dist.rank)
-        if state.step >= config.steps:
-            raise RunDirError(f"{run_dir} is at step {state.step:,}, steps={config.steps:,}: "
-                              "nothing to train; pass a larger steps=N to continue it")
         for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
             group["lr"] = base_lr * lr_factor(state.step, config)  # steps may have changed
         state.cache = state.cache.rows(dist.rows(config.batch_size))
@@ -213,6 +229,19 @@ def build_run(
         save_config(run_dir, model_config, config)
     return Run(config, run_dir, device, dist, progress, corpus, model, optimizer, scheduler,
                state, memory)
+
+
+def _check_steps_left(run_dir: Path, steps: int) -> None:
+    """Refuse to resume a run with no step left before ``steps`` (before anything else is
+    loaded, and nothing written): :class:`RunComplete` at exactly ``steps``, RunDirError past
+    them."""
+    step = saved_step(run_dir)
+    if step is None or step < steps:
+        return
+    if step == steps:
+        raise RunComplete(run_dir, step)
+    raise RunDirError(f"{run_dir} is at step {step:,}, steps={steps:,}: nothing to train; "
+                      "pass a larger steps=N to continue it")
 
 
 def _load_corpus(config: TrainConfig, dist: Distributed, progress: bool) -> Corpus:
@@ -336,7 +365,7 @@ class _Loop:
         kept = (f"the checkpoint of step {self.saved_step} is kept" if self.saved_step
                 else "no checkpoint was written (resume restarts from step 0)")
         uniform = math.log2(self.model.config.vocab_size)
-        raise FloatingPointError(
+        raise Diverged(
             f"training diverged at step {self.state.step}: loss {nll / math.log(2):.4g} bits "
             f"per character (on this process), against {uniform:.0f} for a uniform guess; "
             f"{kept}; try a lower lr (now {self.config.lr:g}) or stronger clipping "
