@@ -78,12 +78,12 @@ PRESETS: dict[str, dict] = {
     "cpu-small": _cpu(
         {"n_layers": 4, "d_model": 256, "d_inner": 1024, "max_span": 1024},
         steps=2500, batch=(16, 128), warmup=200, every=250, log=50, eval_chars=65_536,
-        description="4-layer model for a 2-core CPU, ~20 minutes (bundled King James Bible)",
+        description="4-layer model for a 2-core CPU, ~40 minutes (bundled King James Bible)",
     ),
     "demo": _cpu(
         {"n_layers": 3, "d_model": 192, "d_inner": 768, "max_span": 512},
         steps=2400, batch=(8, 64), warmup=100, every=400, log=100, eval_chars=16_384,
-        description="3-layer model trained for ~4 minutes on a CPU (bundled King James Bible)",
+        description="3-layer model trained for ~4.5 minutes on a CPU (bundled King James Bible)",
     ),
 }
 
