@@ -10,7 +10,7 @@ from helpers import span_variants, tiny_config
 
 from adaspan import attention, baselines
 from adaspan.attention import Attention, SpanAttention
-from adaspan.registry import ATTENTIONS, register_attention
+from adaspan.registry import ATTENTIONS, name_of, register_attention
 from adaspan.span import AdaptiveSpan, DynamicSpan, FixedSpan
 
 
@@ -50,3 +50,10 @@ def test_a_name_is_registered_once():
 def test_registering_adds_the_variant_and_the_fixture_removes_it(toy_attention):
     assert list(ATTENTIONS)[-1] == toy_attention
     assert type(built(toy_attention)).__name__ == "PreviousToken"
+
+
+def test_name_of_a_builder_is_its_registered_name():
+    for name, build in ATTENTIONS.items():
+        assert name_of(build) == name
+    with pytest.raises(KeyError, match="not a registered"):
+        name_of(lambda config: None)

@@ -33,3 +33,12 @@ def register_attention(name: str) -> Callable[[Builder], Builder]:
         return build
 
     return register
+
+
+def name_of(build: Callable[..., nn.Module]) -> str:
+    """The name ``build`` is registered under (a variant is asked for by what it is, not by a
+    name written elsewhere)."""
+    for name, registered in ATTENTIONS.items():
+        if registered is build:
+            return name
+    raise KeyError(f"{build.__qualname__} is not a registered attention variant")

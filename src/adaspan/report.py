@@ -20,7 +20,7 @@ from .config import ModelConfig
 from .memory import step_peak_memory
 from .model import SpanLM
 from .page import report_page
-from .registry import ATTENTIONS
+from .registry import name_of
 
 REPORT_FILE = "report.html"
 DATA_FILE = "report.json"  # the numbers the figures are drawn from
@@ -69,8 +69,7 @@ def _models_at(config: ModelConfig, spans: list[list[float]] | None,
 def _model_with(build: Callable, config: ModelConfig, limit: int) -> SpanLM:
     """``config``'s model with span limit ``limit`` and the attention variant registered as
     ``build`` (:data:`~adaspan.registry.ATTENTIONS`)."""
-    name = next(name for name, registered in ATTENTIONS.items() if registered is build)
-    return SpanLM(replace(config, attention=name, max_span=limit))
+    return SpanLM(replace(config, attention=name_of(build), max_span=limit))
 
 
 def memory_curves(config: ModelConfig, spans: list[list[float]] | None, limits: Sequence[int],
