@@ -19,6 +19,7 @@ from .attention import adaptive_span_attention, fixed_span_attention
 from .config import ModelConfig
 from .memory import step_peak_memory
 from .model import SpanLM
+from .official import run_codec
 from .page import report_page
 from .registry import name_of
 
@@ -139,16 +140,6 @@ def default_text(saved: dict) -> str:
     return piece if piece.strip() else DEFAULT_TEXT
 
 
-def _encode(text: str, run_dir: Path) -> list[int]:
-    """Token ids of ``text``: its UTF-8 bytes, or for a converted run the ids of its symbols."""
-    from .official import byte_codec, encode_bytes, read_vocab
-
-    vocab = read_vocab(run_dir)
-    if vocab is None:
-        return list(text.encode())
-    return encode_bytes(text.encode(), byte_codec(vocab)[0])
-
-
 # ------------------------------------------------------------------------------------ report
 
 
@@ -185,7 +176,8 @@ def report_data(model: SpanLM, saved: dict, run_dir: Path, text: str | None,
                   "parameters": model.num_parameters(), "learned_spans": span_type.learned}
     if span_type.input_dependent:
         text = text if text is not None else default_text(saved)
-        data["dynamic"] = {"text": text, "spans": dynamic_spans(model, _encode(text, run_dir))}
+        tokens = run_codec(run_dir).encode(text.encode())  # bytes, or a converted run's ids
+        data["dynamic"] = {"text": text, "spans": dynamic_spans(model, list(tokens))}
     data["spans"] = model.spans()
     learned = data["spans"] if span_type.learned else None
     data["costs"] = cost_curves(cfg, learned, limits, saved["train"]["block_size"], probe)
