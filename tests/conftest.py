@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from adaspan import precision
 from adaspan.attention import Attention
 from adaspan.cache import fit_cache
 from adaspan.config import ModelConfig
@@ -15,6 +16,13 @@ from adaspan.registry import ATTENTIONS, register_attention
 from adaspan.span import FixedSpan
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def cpu_without_fast_bfloat16(monkeypatch):
+    """dtype=auto means fp32 in every test, whatever this CPU has (tests that compare with
+    fp32 references must not turn bf16 on a machine with AVX-512 BF16)."""
+    monkeypatch.setattr(precision, "_cpu_has_fast_bfloat16", lambda: False)
 
 
 @pytest.fixture(scope="session")

@@ -85,7 +85,7 @@ def tiny_train_config(data: str, **changes) -> TrainConfig:
     """8 steps of 4 x 32 characters of ``data`` on the CPU, with frequent records."""
     values = dict(data=data, batch_size=4, block_size=32, steps=8, optimizer="adamw", lr=3e-3,
                   warmup=2, clip=1.0, eval_interval=4, eval_chars=64, log_interval=2,
-                  checkpoint_interval=3, device="cpu", tensorboard=False)
+                  checkpoint_interval=3, device="cpu", dtype="float32", tensorboard=False)
     return TrainConfig(**{**values, **changes})
 
 

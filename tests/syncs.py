@@ -5,12 +5,15 @@ reading a value (``item``, ``tolist``, ``bool``/``int``/``float`` of a tensor, `
 ``numpy``) and building a device tensor from host data (``torch.tensor``/``as_tensor`` of a
 list, indexing with a Python list, ``.to(device)``). On the CPU none of them waits, but the
 calls are the same, so counting them here counts the synchronisations a GPU run would make.
+Only calls made outside torch's own code are counted (torch.optim's reads of its step
+counters, for one, are torch's to remove).
 """
 
 from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -18,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
           torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
 _BUILDS = {torch.tensor, torch.as_tensor}
+_TORCH = str(Path(torch.__file__).parent)
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_select}
 
 
@@ -59,8 +63,8 @@ class SyncCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_sync(func, args, kwargs):
-            frame = traceback.extract_stack(limit=2)[0]
+        frame = traceback.extract_stack(limit=2)[0]
+        if _is_sync(func, args, kwargs) and not frame.filename.startswith(_TORCH):
             self.calls.append(f"{getattr(func, '__name__', func)} at "
                               f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}")
         return func(*args, **kwargs)

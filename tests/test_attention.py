@@ -163,11 +163,11 @@ def test_banded_attention_gradients_over_several_chunks(z_shape):
 
 def test_mask_is_added_only_where_it_is_below_one():
     z = torch.tensor([[5.0], [12.5], [30.0]])
-    width = ramp_columns(40, z)
+    width = ramp_columns(40, z.min().item())
     distances = torch.arange(40, 0, -1, dtype=torch.float64)  # column j holds distance 40 - j
     mask = soft_mask(distances, z, 8)
     assert (mask[:, width:] == 1).all() and (mask[:, width - 1] < 1).any()
-    assert ramp_columns(40, torch.tensor([45.0])) == 0
+    assert ramp_columns(40, 45.0) == 0
 
 
 

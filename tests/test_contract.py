@@ -157,7 +157,7 @@ def check_train_step(attention: str) -> None:
             seen.append((loss, grads, cache))
         results.append(seen)
     for (loss1, grads1, cache1), (loss2, grads2, cache2) in zip(*results, strict=True):
-        assert math.isfinite(loss1) and loss1 == pytest.approx(loss2, abs=1e-6)
+        assert math.isfinite(loss1) and float(loss1) == pytest.approx(float(loss2), abs=1e-6)
         for name in grads1:
             torch.testing.assert_close(grads1[name], grads2[name], atol=1e-6, rtol=0,
                                        msg=lambda m, name=name: f"{name}: {m}")

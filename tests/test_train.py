@@ -220,7 +220,7 @@ def test_batch_split_gives_the_full_batch_gradient(optimizer, lr):
         results.append((seen, model.state_dict()))
     (seen1, state1), (seen2, state2) = results
     for (loss1, grads1, cache1), (loss2, grads2, cache2) in zip(seen1, seen2, strict=True):
-        assert loss1 == pytest.approx(loss2, abs=1e-6)
+        assert float(loss1) == pytest.approx(float(loss2), abs=1e-6)
         for name in grads1:
             torch.testing.assert_close(grads1[name], grads2[name], atol=1e-6, rtol=0)
         for a, b in zip(cache1, cache2, strict=True):

@@ -14,6 +14,8 @@ the keys of its window (``truncation="head"``), with the band kernels of :mod:`a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,7 +24,7 @@ from .band import banded_attention
 from .cache import KeyValueCache, advance, fit_cache
 from .config import ModelConfig
 from .registry import register_attention
-from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span
+from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, windows_of
 
 
 class Attention(nn.Module):
@@ -79,6 +81,7 @@ class SpanAttention(Attention):
         self.pos = (None if self.shared_positions
                     else nn.Parameter(torch.randn(config.max_span, config.d_head)))
         self.span = span
+        self._last_layout: tuple[tuple, _Layout] | None = None  # ((windows, device), layout)
 
     def positions(self, pos: Tensor | None) -> Tensor:
         """The table p_d this layer reads: its own, or the model's ``pos``."""
@@ -98,10 +101,13 @@ class SpanAttention(Attention):
 
     def key_windows(self, z: Tensor | None) -> list[int]:
         """Number of past keys each head reads, after truncation and bucketing."""
+        return self._key_windows(self.span.z_bounds(z))
+
+    def _key_windows(self, bounds: tuple[list[float], list[float]] | None) -> list[int]:
         if self.truncation == "none":
             return [self.max_span] * self.n_heads
         windows = [min(self.max_span, -(-w // self.bucket) * self.bucket)
-                   for w in self.span.windows(z)]
+                   for w in windows_of(bounds, self.max_span, self.ramp, self.n_heads)]
         if self.truncation == "layer":
             return [max(windows)] * self.n_heads
         return windows
@@ -112,24 +118,33 @@ class SpanAttention(Attention):
         B, M, _ = x.shape
         pos = self.positions(pos)
         z = self.span(x)
-        windows = self.key_windows(z)
-        history = self.max_span if self.span.input_dependent else max(windows)
+        bounds = self.span.z_bounds(z)  # on the host: no wait when the spans did not change
+        layout = self._layout(tuple(self._key_windows(bounds)), x.device)
+        history = self.max_span if self.span.input_dependent else layout.longest
         if isinstance(cache, KeyValueCache):
             keys_values, new_cache = self._cached_keys_values(x, cache, history)
         else:
             keys_values, new_cache = self._projected_keys_values(x, cache, history)
         q = self.q(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
-        outputs, order = [], []
-        for w, heads in _group(windows):
-            k, v = keys_values(heads, history - w)
-            zg = None if z is None else z[:, _index(heads)]
-            outputs.append(banded_attention(q[:, _index(heads)], k, v, pos[:w], zg,
-                                            self.ramp, self.dropout, self.training))
-            order += heads
+        outputs = []
+        for group in layout.groups:
+            k, v = keys_values(group, history - group.window)
+            zg, z_min = None, None
+            if z is not None:
+                zg, z_min = z[:, group.heads], min(bounds[0][h] for h in group.members)
+            outputs.append(banded_attention(q[:, group.heads], k, v, pos[: group.window], zg,
+                                            self.ramp, self.dropout, self.training, z_min=z_min))
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-        if order != sorted(order):
-            out = out[:, torch.tensor(order, device=x.device).argsort()]
+        if layout.order is not None:
+            out = out[:, layout.order]
         return self.o(out.transpose(1, 2).reshape(B, M, -1)), new_cache
+
+    def _layout(self, windows: tuple[int, ...], device: torch.device) -> _Layout:
+        """The head groups of ``windows``, made once per grouping and device (their index
+        tensors are uploaded once, not at every forward pass)."""
+        if self._last_layout is None or self._last_layout[0] != (windows, device):
+            self._last_layout = (windows, device), _Layout.of(windows, self.d_head, device)
+        return self._last_layout[1]
 
     def _projected_keys_values(self, x: Tensor, cache: Tensor, history: int):
         """Keys/values from the cached hidden states, projected per head group (training).
@@ -142,11 +157,10 @@ class SpanAttention(Attention):
         past = fit_cache(cache, history).to(x)  # (B, history, D)
         block = self.k(x), self.v(x)  # (B, M, D) each
 
-        def keys_values(heads: list[int], start: int) -> tuple[Tensor, Tensor]:
-            rows = _rows(heads, self.d_head, x.device)
+        def keys_values(group: _Group, start: int) -> tuple[Tensor, Tensor]:
             return tuple(
-                self._heads(torch.cat([F.linear(past[:, start:], proj.weight[rows]),
-                                       projected[..., rows]], dim=1))
+                self._heads(torch.cat([F.linear(past[:, start:], proj.weight[group.rows]),
+                                       projected[..., group.rows]], dim=1))
                 for proj, projected in zip((self.k, self.v), block, strict=True))
 
         return keys_values, advance(past, x, history)
@@ -163,8 +177,8 @@ class SpanAttention(Attention):
                         for proj in (self.k, self.v))
         keys, values, new_cache = cache.extend(new_k, new_v, history)
 
-        def keys_values(heads: list[int], start: int) -> tuple[Tensor, Tensor]:
-            return keys[:, _index(heads), start:], values[:, _index(heads), start:]
+        def keys_values(group: _Group, start: int) -> tuple[Tensor, Tensor]:
+            return keys[:, group.heads, start:], values[:, group.heads, start:]
 
         return keys_values, new_cache
 
@@ -173,29 +187,49 @@ class SpanAttention(Attention):
         return t.unflatten(-1, (-1, self.d_head)).transpose(1, 2)
 
 
-def _index(heads: list[int]) -> slice | list[int]:
-    """``heads`` as a slice (a view, no copy) when they are consecutive."""
+@dataclass(frozen=True)
+class _Group:
+    """Heads ``members`` that read the same key ``window``: their index in the head dimension
+    (``heads``) and their rows of W_k, W_v (``rows``), slices (views) when they are consecutive,
+    else index tensors on the device."""
+
+    window: int
+    members: tuple[int, ...]
+    heads: slice | Tensor
+    rows: slice | Tensor
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Heads grouped by key window, in the order of their first head (groups of consecutive
+    heads are concatenated in head order, with no reordering); ``order`` puts the outputs
+    back in head order otherwise; ``longest`` is the longest window."""
+
+    groups: tuple[_Group, ...]
+    order: Tensor | None
+    longest: int
+
+    @classmethod
+    def of(cls, windows: tuple[int, ...], d_head: int, device: torch.device) -> _Layout:
+        members: dict[int, list[int]] = {}
+        for head, w in enumerate(windows):
+            members.setdefault(w, []).append(head)
+        groups = [_Group(w, tuple(heads), *_indices(heads, d_head, device))
+                  for w, heads in members.items()]
+        order = [h for g in groups for h in g.members]
+        inverse = (None if order == sorted(order)
+                   else torch.tensor(order, device=device).argsort())
+        return cls(tuple(groups), inverse, max(windows))
+
+
+def _indices(heads: list[int], d_head: int, device: torch.device
+             ) -> tuple[slice | Tensor, slice | Tensor]:
+    """The heads ``heads`` as an index of the head dimension and of the rows of W_k, W_v:
+    slices (views, no copy) when they are consecutive, else index tensors on ``device``."""
     if heads == list(range(heads[0], heads[-1] + 1)):
-        return slice(heads[0], heads[-1] + 1)
-    return heads
-
-
-def _rows(heads: list[int], d_head: int, device: torch.device) -> slice | Tensor:
-    """The rows (of W_k, W_v) or columns (of keys, values) of the heads ``heads``: a slice
-    (a view, no copy) when they are consecutive."""
-    index = _index(heads)
-    if isinstance(index, slice):
-        return slice(index.start * d_head, index.stop * d_head)
-    return torch.cat([torch.arange(h * d_head, (h + 1) * d_head, device=device) for h in heads])
-
-
-def _group(windows: list[int]) -> list[tuple[int, list[int]]]:
-    """Heads grouped by key window, in the order of their first head (so that the outputs of
-    groups of consecutive heads are concatenated in head order, with no reordering)."""
-    groups: dict[int, list[int]] = {}
-    for head, w in enumerate(windows):
-        groups.setdefault(w, []).append(head)
-    return list(groups.items())
+        return slice(heads[0], heads[-1] + 1), slice(heads[0] * d_head, (heads[-1] + 1) * d_head)
+    rows = [h * d_head + i for h in heads for i in range(d_head)]
+    return torch.tensor(heads, device=device), torch.tensor(rows, device=device)
 
 
 @register_attention("fixed")

@@ -109,15 +109,14 @@ class _BandSoftmax(torch.autograd.Function):
         ctx.shapes = q.shape, k_t.shape
         q, k_t = q.flatten(0, -3), k_t.flatten(0, -3)  # (N, c, dh), (N, dh, L)
         scores = (q @ k_t).view(*lead, c, w + c - 1)
+        if scores.dtype not in (torch.float32, torch.float64):  # a bf16 product (autocast):
+            scores = scores.float()  # positions, mask and softmax in fp32, logits rounded once
         band = _band(scores, w)
         band.add_(position)
         if log_mask is not None:
             band[..., : log_mask.shape[-1]].add_(log_mask)
         _band(scores, c, start=w).fill_(-math.inf)
-        if scores.dtype in (torch.float32, torch.float64):  # in place: the tile is ours
-            attn = _softmax_in_place(scores)
-        else:  # a bf16 tile under autocast: softmax in float32, as autocast does
-            attn = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        attn = _softmax_in_place(scores)  # the tile is ours
         ctx.save_for_backward(q, k_t, attn)
         ctx.log_mask = None if log_mask is None else (log_mask.shape, log_mask.dtype)
         return attn
@@ -167,10 +166,11 @@ def log_soft_mask(distance: Tensor, z: Tensor, ramp: int) -> Tensor:
     return torch.where(m > 0, torch.log(m.clamp_min(1e-30)), -math.inf)
 
 
-def ramp_columns(window: int, z: Tensor) -> int:
+def ramp_columns(window: int, z_min: float) -> int:
     """How many of the ``window`` distances, counted from the farthest (d = window, window - 1,
-    ...), have a mask below 1 for some z in ``z``: those with d > z. Nearer keys have m_z = 1."""
-    return max(0, min(window, math.ceil(window - z.detach().min().item())))
+    ...), have a mask below 1 for some z >= ``z_min``: those with d > z. Nearer keys have
+    m_z = 1."""
+    return max(0, min(window, math.ceil(window - z_min)))
 
 
 # Queries per chunk by key window (up to the window), measured with scripts/tune_chunks.py on
@@ -195,6 +195,7 @@ def banded_attention(
     dropout: float = 0.0,
     training: bool = False,
     chunk: int | None = None,
+    z_min: float | None = None,
 ) -> Tensor:
     """Attention of each query over the ``w`` keys just before it, with relative positions.
 
@@ -203,7 +204,8 @@ def banded_attention(
     w .. 1); pos: (w, dh) embeddings of distances 1..w; z: None (no mask) or the span broadcastable
     to (B, H, M). Queries are processed in chunks of ``c``, each over a window of ``w + c - 1``
     keys, so the cost is about M * (w + c) * dh rather than M * (w + M) * dh; ``c`` is
-    :func:`chunk_size` unless ``chunk`` is given.
+    :func:`chunk_size` unless ``chunk`` is given. ``z_min``, the least z on the host, saves
+    reading it from the device (a host-device synchronisation).
     """
     M, dh = q.shape[2:]
     w = pos.shape[0]
@@ -211,7 +213,9 @@ def banded_attention(
         return _one_query_attention(q, k, v, pos, z, ramp, dropout, training)
     c = min(M, chunk) if chunk else chunk_size(M, w)
     n = -(-M // c)
-    width = 0 if z is None else ramp_columns(w, z)  # distance columns where m_z < 1
+    if z is not None and z_min is None:
+        z_min = z.detach().min().item()
+    width = 0 if z is None else ramp_columns(w, z_min)  # distance columns where m_z < 1
     if n * c != M:
         q = F.pad(q, (0, 0, 0, n * c - M))
         k, v = (F.pad(t, (0, 0, 0, n * c - M)) for t in (k, v))

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from . import precision
 from .analysis import flops_per_char
 from .config import ConfigError, ModelConfig
 from .memory import estimate_training_memory
@@ -73,14 +74,14 @@ def bench(
     steps: int = 5,
     gen_chars: int = 64,
     device: torch.device | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
     statistic: str = "median",
 ) -> dict:
     """Measure ``config`` (see the module docstring); returns a flat dict of figures."""
     device = device or torch.device("cpu")
     model = build_bench_model(config, spans, device)
     chars = batch_size * block_size
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    autocast = precision.autocast(dtype, device)
     train_s = train_seconds(model, batch_size, block_size, steps, device, autocast, statistic)
     eval_s = eval_seconds(model, batch_size, block_size, steps, device, autocast, statistic)
     gen_s = generation_seconds(model, block_size, gen_chars, device)
@@ -93,7 +94,7 @@ def bench(
         "avg_span": sum(map(sum, model.spans())) / (config.n_layers * config.n_heads),
         "batch_size": batch_size,
         "block_size": block_size,
-        "dtype": dtype,
+        "dtype": precision.resolve_dtype(dtype, device),
         "device": str(device),
         "parameters": model.num_parameters(),
         "train_chars_per_s": train_cps,

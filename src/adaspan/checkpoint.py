@@ -6,6 +6,9 @@ Layout of a run directory::
     model.safetensors   weights, with the training step in the metadata
     state.safetensors   step, data position, carried cache, optimiser, scheduler, RNG states:
                         tensors, with everything else as JSON in the metadata
+    state.step-N.rank-R.safetensors
+                        under torchrun, the carried cache rows and RNG state of rank R >= 1
+                        (rank 0's are in state.safetensors), written by that process
     metrics.jsonl       one JSON object per log/eval event (written by adaspan.train)
     checkpoints/        step-N/: the last ``keep_last`` checkpoints (hard links), if asked
     tb/                 TensorBoard events (when tensorboard is installed)
@@ -17,7 +20,9 @@ Each file of a checkpoint is written to a temporary file in the run directory, f
 fsynced; only then are all of them renamed into place, one right after the other, the training
 state last. The state holds the weights too and is all that resuming reads, so a save
 interrupted at any moment leaves one consistent checkpoint, the previous or the new one (its
-temporary files are removed at the next start).
+temporary files are removed at the next start). Under torchrun every rank first writes its part
+of the state, named by the step, so that the previous checkpoint's parts stay until the new
+state that counts the new ones is in place.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import time
 import uuid
@@ -43,6 +49,7 @@ from ._version import __version__
 from .cache import StreamCache
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import resolve_data
+from .distributed import Distributed
 from .errors import UserError
 from .model import SpanLM
 
@@ -51,6 +58,7 @@ WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
 LEGACY_STATE_FILE = "state.pt"  # adaspan 0.1-0.2
 TEMP_SUFFIX = ".tmp"
+PART_FILE = re.compile(r"state\.step-(\d+)\.rank-(\d+)\.safetensors")  # a rank's part of the state
 ARCHIVE_DIR = "checkpoints"  # earlier checkpoints kept with TrainConfig.keep_last
 
 
@@ -69,7 +77,7 @@ class TrainingState:
 
     step: int  # optimiser steps done
     position: int  # index of the next training block
-    cache: StreamCache  # carried hidden states of every stream (all batch rows)
+    cache: StreamCache  # carried hidden states of this rank's streams (its batch rows)
     elapsed: float = 0.0  # seconds of training so far
 
 
@@ -97,9 +105,28 @@ def atomic_write(files: dict[Path, Callable[[Path], None]]) -> None:
 
 
 def remove_temporaries(run_dir: Path) -> None:
-    """Delete the temporary files that an interrupted :func:`atomic_write` left."""
+    """Delete the temporary files that an interrupted :func:`atomic_write` left, and the
+    ranks' parts of the state that an interrupted or superseded checkpoint left."""
     for path in run_dir.glob(f".*{TEMP_SUFFIX}"):
         if path.is_file():
+            path.unlink(missing_ok=True)
+    last = saved_step(run_dir)
+    _remove_parts(run_dir, keep=lambda step: step == last)
+
+
+def _part_path(run_dir: Path, step: int, rank: int) -> Path:
+    return run_dir / f"state.step-{step:09d}.rank-{rank}.safetensors"
+
+
+def _parts(run_dir: Path) -> dict[Path, int]:
+    """The ranks' parts of the state in ``run_dir``, with their steps."""
+    return {path: int(match[1]) for path in run_dir.glob("state.step-*.rank-*.safetensors")
+            if (match := PART_FILE.fullmatch(path.name))}
+
+
+def _remove_parts(run_dir: Path, keep: Callable[[int], bool]) -> None:
+    for path, step in _parts(run_dir).items():
+        if not keep(step):
             path.unlink(missing_ok=True)
 
 
@@ -242,16 +269,26 @@ def save_checkpoint(
     train_config: TrainConfig,
     *,
     elapsed: float = 0.0,
-    rng: list[dict] | None = None,
+    dist: Distributed | None = None,
 ) -> None:
     """Write config, weights and training state of ``run_dir`` atomically.
 
     The training state holds the weights too, and is renamed into place last: a run killed at
     any moment resumes from one consistent checkpoint, the previous or the new one.
 
-    ``rng`` holds one :func:`rng_state` per distributed rank (default: this process's).
+    With ``dist``, every rank calls it with the ``cache`` of its own streams: each rank > 0
+    writes that and its RNG state to its part of the state, then rank 0 the rest (with its
+    own cache and RNG state), counting the parts; the parts of earlier steps are removed.
     """
     run_dir = Path(run_dir)
+    dist = dist if dist is not None else Distributed()
+    if not dist.is_main:
+        part = {"step": step, "rank": dist.rank, "cache": cache.to("cpu").layers,
+                "rng": rng_state()}
+        atomic_write({_part_path(run_dir, step, dist.rank): lambda path: _save_state(part, path)})
+    dist.barrier()  # every part is in place before the state that counts them
+    if not dist.is_main:
+        return
     # safetensors wants contiguous tensors that share no memory: clone them to the CPU.
     weights = {name: t.detach().to("cpu", copy=True).contiguous()
                for name, t in model.state_dict().items()}
@@ -262,7 +299,8 @@ def save_checkpoint(
         "cache": cache.to("cpu").layers,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "rng": rng if rng is not None else [rng_state()],
+        "rng": [rng_state()],
+        "parts": dist.world_size,  # rank 0's part is "cache" and "rng"; the others' in files
         "model": weights,
     }
     atomic_write({  # the state, which alone is read to resume, is renamed into place last
@@ -271,6 +309,7 @@ def save_checkpoint(
         run_dir / STATE_FILE: lambda path: _save_state(state, path),
     })
     (run_dir / LEGACY_STATE_FILE).unlink(missing_ok=True)  # superseded (a resumed 0.2 run)
+    _remove_parts(run_dir, keep=lambda part_step: part_step >= step)  # superseded
 
 
 def archive_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
@@ -279,7 +318,8 @@ def archive_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
     archive = run_dir / ARCHIVE_DIR
     folder = archive / f"step-{step:09d}"
     folder.mkdir(parents=True, exist_ok=True)
-    for name in (CONFIG_FILE, WEIGHTS_FILE, STATE_FILE):
+    parts = [path.name for path, part_step in _parts(run_dir).items() if part_step == step]
+    for name in (CONFIG_FILE, WEIGHTS_FILE, STATE_FILE, *parts):
         target = folder / name
         target.unlink(missing_ok=True)
         os.link(run_dir / name, target)  # the run's files are replaced, never rewritten
@@ -326,12 +366,21 @@ def load_training_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     device: str | torch.device = "cpu",
-    rank: int = 0,
+    dist: Distributed | None = None,
 ) -> TrainingState:
-    """Restore weights, optimiser, scheduler and the RNG states of ``rank`` from ``run_dir``."""
+    """Restore weights, optimiser, scheduler and the RNG state of this rank of ``dist`` from
+    ``run_dir``; the state returned holds the carried cache of this rank's streams, on
+    ``device``.
+
+    Everything is read onto the CPU: the weights are copied into the model where it is, and
+    the optimiser puts its state where torch.optim wants it (``step`` counters stay on the
+    CPU). A run saved by as many processes reads only its own part; one saved by another
+    number of processes reads the parts that hold its streams' cache rows.
+    """
     run_dir = Path(run_dir)
+    dist = dist if dist is not None else Distributed()
     path = _state_path(run_dir) or _require_file(run_dir, STATE_FILE)
-    state = read_state(path, device)
+    state = read_state(path)
     if "model" in state:
         _load_state_dict(model, state["model"], path)
     elif (weights_step := load_weights(run_dir, model)) != state["step"]:  # a 0.1-0.2 run
@@ -341,10 +390,43 @@ def load_training_state(
         )
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    rngs = state["rng"]
-    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
-    return TrainingState(state["step"], state["position"], StreamCache(state["cache"]),
-                         state["elapsed"])
+    cache, rng = _rank_part(run_dir, state, dist)
+    set_rng_state(rng)
+    return TrainingState(state["step"], state["position"], cache.to(device), state["elapsed"])
+
+
+def _rank_part(run_dir: Path, state: dict, dist: Distributed) -> tuple[StreamCache, dict]:
+    """The carried cache of the streams of ``dist``'s rank and its RNG state (saved rank 0's
+    RNG state where no rank of its number was saved), read from the state's parts.
+
+    A state saved by ``n`` processes holds rank 0's cache rows, and names the ``n - 1``
+    other parts, each with as many rows (a state without ``parts``: every row)."""
+    saved = {0: state}
+    count = state.get("parts", 1)
+
+    def part(rank: int) -> dict:
+        if rank not in saved:
+            saved[rank] = _read_part(run_dir, state["step"], rank)
+        return saved[rank]
+
+    share = state["cache"][0].shape[0]  # streams of each part
+    rows = dist.rows(share * count)
+    first, last = rows.start // share, -(-rows.stop // share)  # the parts that hold them
+    cache = StreamCache.merge([StreamCache(part(p)["cache"]) for p in range(first, last)])
+    cache = cache.rows(slice(rows.start - first * share, rows.stop - first * share))
+    if 0 < dist.rank < count:
+        return cache, part(dist.rank)["rng"]
+    rngs = state["rng"]  # one per rank in a torchrun state saved before there were parts
+    return cache, rngs[dist.rank] if dist.rank < len(rngs) else rngs[0]
+
+
+def _read_part(run_dir: Path, step: int, rank: int) -> dict:
+    path = _part_path(run_dir, step, rank)
+    if not path.is_file():
+        raise RunDirError(f"{run_dir} has no {path.name}, the part of the training state that "
+                          f"rank {rank} wrote (on its own machine, if it ran on another one): "
+                          "copy it here, or start the run over")
+    return read_state(path)
 
 
 def _save_state(state: dict, path: Path) -> None:

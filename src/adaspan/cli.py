@@ -22,6 +22,7 @@ import torch
 
 from ._version import __version__
 from .errors import UserError
+from .precision import DTYPES
 from .registry import ATTENTIONS
 
 EXPECTED_ERRORS = (UserError, OSError, MemoryError)  # the user's to fix: one line, status 2
@@ -189,8 +190,7 @@ def _add_evaluate(commands) -> None:
     p.add_argument("--max-chars", type=_positive_int,
                    help="score only the first N characters of the split (a contiguous prefix)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="bfloat16: run under autocast")
+    _add_dtype(p)
     p.add_argument("--token-logprobs", type=Path, metavar="FILE.npy",
                    help="save the natural-log probability of every scored token (float32, "
                    "stream after stream: text order with --batch-size 1)")
@@ -219,6 +219,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     else:
         print(f"{name} {args.split}: {result['bpc']:.4f} bpc over {result['chars']:,} {unit}s")
     return 0
+
+
+def _add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="products in bf16 (autocast) or fp32; auto: bf16 where the device has "
+                   "fast bf16, else fp32 (default: auto)")
 
 
 # ------------------------------------------------------------------------------------- generate
@@ -368,7 +374,7 @@ def _add_bench(commands) -> None:
     p.add_argument("--gen-chars", type=_positive_int, default=64,
                    help="characters generated for timing")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    _add_dtype(p)
     p.add_argument("--statistic", choices=("median", "mean"), default="median",
                    help="of the timed steps (mean: the protocol of the authors' bench script)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -15,13 +15,13 @@ from typing import Any, ClassVar
 
 from .distributed import DEVICE
 from .errors import UserError
+from .precision import DTYPES
 from .registry import ATTENTIONS
 
 TRUNCATIONS = ("head", "layer", "none")
 POSITION_TABLES = ("model", "layer")
 OPTIMIZERS = ("adagrad", "adamw")
 CLIP_MODES = ("per-tensor-lr", "global")
-DTYPES = ("float32", "bfloat16")
 
 
 class ConfigError(UserError, ValueError):
@@ -175,8 +175,9 @@ class TrainConfig(Options):
                               "memory)")
     seed: int = option(1234, "random seed")
     device: str = option("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when available)")
-    dtype: str = option("float32", "bfloat16 runs the forward pass under autocast",
-                        choices=DTYPES)
+    dtype: str = option("auto", "products in bf16 (autocast) or fp32; auto: bf16 where the "
+                        "device has fast bf16 (CUDA compute 8.0+, CPUs with AVX-512 BF16 or "
+                        "AMX), else fp32", choices=DTYPES)
     eval_interval: int = option(1000, "steps between validations")
     eval_chars: int = option(5_000_000, "each validation scores the first N characters of the "
                              "valid split")

@@ -3,6 +3,7 @@ collective operations training needs."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from dataclasses import dataclass
@@ -57,20 +58,31 @@ class Distributed:
         torch_dist.all_reduce(votes, op=torch_dist.ReduceOp.MAX)
         return [bool(v) for v in votes.tolist()]
 
+    def sum(self, values: list[float], device: torch.device) -> list[float]:
+        """Each value summed over the ranks (in float64: counts stay exact up to 2**53)."""
+        if not self.active:
+            return values
+        totals = torch.tensor(values, dtype=torch.float64, device=device)
+        torch_dist.all_reduce(totals)
+        return totals.tolist()
+
     def mean(self, value: float, device: torch.device) -> float:
         if not self.active:
             return value
-        total = torch.tensor(value, dtype=torch.float64, device=device)
-        torch_dist.all_reduce(total)
-        return total.item() / self.world_size
+        return self.sum([value], device)[0] / self.world_size
 
-    def gather(self, obj: object) -> list:
-        """``obj`` of every rank, in rank order, on rank 0 (empty list on the others)."""
-        if not self.active:
-            return [obj]
-        gathered = [None] * self.world_size if self.is_main else None
-        torch_dist.gather_object(obj, gathered, dst=0)
-        return gathered or []
+    def start(self, device: torch.device) -> bool:
+        """Join the torchrun job's process group (nccl on CUDA, gloo on the CPU), bound to
+        ``device``; False (and nothing done) when not distributed or a group already exists."""
+        if not self.active or torch_dist.is_initialized():
+            return False
+        options = {}
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            if "device_id" in inspect.signature(torch_dist.init_process_group).parameters:
+                options["device_id"] = device  # torch >= 2.3: NCCL set up for this GPU at once
+        torch_dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **options)
+        return True
 
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -80,11 +92,16 @@ class DeviceError(UserError, ValueError):
     """A device that is not one of auto, cpu, cuda, cuda:N, or that this machine lacks."""
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0, world_size: int = 1) -> torch.device:
     """The device ``name`` (auto, cpu, cuda or cuda:N); plain ``cuda`` means GPU
-    ``local_rank``."""
+    ``local_rank``. Under torchrun (``world_size`` > 1) the local rank picks the GPU, so
+    ``cuda:N`` is refused: every process would take the same one."""
     if not DEVICE.fullmatch(name):
         raise DeviceError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if world_size > 1 and ":" in name:
+        raise DeviceError(f"device {name!r} cannot be used by the {world_size} processes of a "
+                          "torchrun job (each takes the GPU of its LOCAL_RANK): use device=cuda "
+                          "or auto")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():

@@ -2,7 +2,8 @@
 
 The split is cut into ``batch_size`` contiguous streams read block by block with the cache
 carried from one block to the next, so every character is predicted once, with as much
-context as the model's spans allow.
+context as the model's spans allow. The processes of a ``torchrun`` job can share the work:
+each scores a contiguous share of the streams, and the sums are added up over all of them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from tqdm.auto import tqdm
 
 from .config import ConfigError
 from .data import BlockStream
+from .distributed import Distributed
 from .model import SpanLM
+from .precision import autocast
 
 
 def evaluate(
@@ -26,8 +29,9 @@ def evaluate(
     device: str | torch.device | None = None,
     progress: bool = False,
     max_chars: int | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
     token_logprobs: bool = False,
+    dist: Distributed | None = None,
 ) -> dict:
     """Bits per character of ``model`` on ``tokens``.
 
@@ -35,35 +39,52 @@ def evaluate(
     prefix, cut into the ``batch_size`` streams; rounded down to a multiple of it): a quick
     estimate for periodic validation. The model is moved to ``device`` (default: where it
     is), run in eval mode without gradients, and left in the train/eval mode it had.
-    ``dtype="bfloat16"`` runs the model under bf16 autocast. Returns ``bpc``, ``loss`` (nats
+    ``dtype`` is that of the products (:mod:`adaspan.precision`: auto, float32 or bfloat16).
+    Nothing waits for the device until the end but the upload of each block. Returns ``bpc``, ``loss`` (nats
     per character) and ``chars`` (number of targets); with ``token_logprobs=True`` also
     ``token_logprobs``, the natural-log probability of every scored target in stream order (all of
     stream 0, then stream 1, ...: text order when ``batch_size`` is 1), a float32 array.
+
+    With ``dist`` (every rank of a torchrun job calls it, each with its own ``device``), each
+    rank scores its :meth:`~Distributed.rows` of the ``batch_size`` streams and the sums are
+    all-reduced: every rank returns what one process scoring all of them would, up to the
+    order of float summation (``token_logprobs`` is refused: it would be one rank's share).
     """
+    dist = dist if dist is not None else Distributed()
     if max_chars is not None and max_chars < 1:
         raise ConfigError(f"max_chars must be >= 1 or None, got {max_chars}")
+    if dist.active and batch_size % dist.world_size:
+        raise ConfigError(f"batch_size={batch_size} must be divisible by the "
+                          f"{dist.world_size} processes that evaluate")
+    if dist.active and token_logprobs:
+        raise ConfigError("token_logprobs needs the evaluation in one process (each process "
+                          "of a distributed one scores only its share of the streams)")
     if max_chars is not None:
         tokens = tokens[: max_chars + 1]  # max_chars targets
     stream = BlockStream(tokens, batch_size, block_size)
+    rows, share = dist.rows(batch_size), dist.share(batch_size)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     was_training = model.training
     model.to(device).eval()
-    nll, chars, kept = 0.0, 0, []
+    nll, chars, kept = torch.zeros((), dtype=torch.float64, device=device), 0, []
     try:
-        autocast = torch.autocast(device.type, torch.bfloat16, enabled=dtype == "bfloat16")
-        with torch.no_grad(), autocast, tqdm(total=stream.num_chars, unit="char", unit_scale=True,
-                                   desc="evaluating", disable=None if progress else True) as bar:
-            cache = model.empty_cache(batch_size, keys_values=True)
+        with torch.no_grad(), autocast(dtype, device), tqdm(total=stream.num_chars // dist.world_size,
+                                             unit="char", unit_scale=True, desc="evaluating",
+                                             disable=None if progress else True) as bar:
+            cache = model.empty_cache(share, keys_values=True)
             for _, x, y in stream.blocks():
-                log_probs, cache = model(x.to(device), cache)
-                target_log_probs = log_probs.gather(-1, y.to(device).unsqueeze(-1))
-                nll -= target_log_probs.double().sum().item()
+                x, y = torch.stack([x[rows], y[rows]]).to(device)  # one upload
+                log_probs, cache = model(x, cache)
+                target_log_probs = log_probs.gather(-1, y.unsqueeze(-1))
+                nll -= target_log_probs.double().sum()
                 if token_logprobs:
                     kept.append(target_log_probs[..., 0].float())
                 chars += y.numel()
                 bar.update(y.numel())
     finally:
         model.train(was_training)
+    nll, chars = dist.sum([nll.item(), chars], device)
+    chars = int(chars)
     loss = nll / chars
     result = {"bpc": loss / math.log(2), "loss": loss, "chars": chars}
     if token_logprobs:  # blocks are consecutive columns of the (batch_size, n) streams

@@ -1,4 +1,8 @@
-"""Sampling text from a trained model, one character at a time with the cache carried."""
+"""Sampling text from a trained model, one character at a time with the cache carried.
+
+The prompt is read by the model's forward; each new character by the per-token step of
+:func:`adaspan.decode.decoder` (the batch-1 :class:`adaspan.decode.Decoder` for span attention),
+with one host-device synchronisation per character: reading the sampled byte."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError
+from .decode import decoder
 from .model import SpanLM
 
 
@@ -51,11 +56,12 @@ def _stream(
         device = model.embed.weight.device
         context = torch.tensor(list(prompt or b"\n"), dtype=torch.long, device=device)[None]
         log_probs, cache = model(context, model.empty_cache(1, keys_values=True))
+        log_probs, step = log_probs[0, -1], decoder(model, cache, context.shape[1])
         for i in range(length):
-            token = _sample(log_probs[0, -1], temperature, top_k, generator)
+            token = _sample(log_probs, temperature, top_k, generator)
             yield token
             if i + 1 < length:
-                log_probs, cache = model(torch.tensor([[token]], device=device), cache)
+                log_probs = step(token)
     finally:
         model.train(was_training)
 
@@ -63,11 +69,15 @@ def _stream(
 def _sample(
     log_probs: torch.Tensor, temperature: float, top_k: int | None, generator
 ) -> int:
+    """One byte drawn from ``log_probs`` (V,); reading it is the one host-device
+    synchronisation (the draw itself is on the host, with ``generator``)."""
     if temperature == 0:
         return int(log_probs.argmax())
     logits = log_probs.float() / temperature
     if top_k is not None:
         cutoff = logits.topk(top_k).values[-1]
         logits = logits.masked_fill(logits < cutoff, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).cpu()
+    probs = torch.softmax(logits, dim=-1)
+    if probs.device.type != "cpu":
+        probs = probs.cpu()
     return int(torch.multinomial(probs, 1, generator=generator))

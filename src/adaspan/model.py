@@ -22,7 +22,7 @@ from . import attention, baselines  # noqa: F401 (importing them registers the b
 from .cache import Cache, KeyValueCache
 from .config import ModelConfig
 from .registry import ATTENTIONS
-from .span import Span
+from .span import Span, read_spans
 
 
 class FeedForward(nn.Module):
@@ -78,6 +78,7 @@ class SpanLM(nn.Module):
             cache = self.empty_cache(tokens.shape[0])
         if len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, model has {len(self.layers)}")
+        self._read_spans()
         h = self.embed(tokens)
         new_cache = []
         for layer, layer_cache in zip(self.layers, cache, strict=True):
@@ -109,7 +110,13 @@ class SpanLM(nn.Module):
 
     def spans(self) -> list[list[float]]:
         """Span (``min(S, z + R)``, in tokens) of every head, per layer."""
+        self._read_spans()
         return [layer.attn.span.spans().tolist() for layer in self.layers]
+
+    def _read_spans(self) -> None:
+        """The spans of all layers read to the host at once, where they changed (one
+        host-device synchronisation after an optimiser step, none while they stay)."""
+        read_spans(layer.attn.span for layer in self.layers)
 
     def set_spans(self, spans: Sequence[Sequence[float]] | Sequence[float]) -> None:
         """Set spans per layer and head (a flat list of ``n_heads`` is used for every layer)."""

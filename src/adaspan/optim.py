@@ -39,17 +39,18 @@ def step_with_tensor_clip(optimizer: torch.optim.Optimizer, clip: float) -> None
 
     The optimiser itself sees the raw gradient (Adagrad accumulates g^2 unclipped). Scaling the
     step equals scaling that tensor's learning rate for optimisers whose update is proportional
-    to it (Adagrad, AdamW, SGD): p <- p_old + s (p_stepped - p_old).
+    to it (Adagrad, AdamW, SGD): p <- p_old + s (p_stepped - p_old). Computed on the device
+    (every tensor's step is scaled, by 1 where it is not clipped): nothing waits for it.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]
               if p.grad is not None]
-    norms = torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])
-    scales = (clip / (norms + 1e-10)).clamp(max=1.0).tolist()
-    before = {i: params[i].detach().clone() for i, s in enumerate(scales) if s < 1.0}
+    scales = [(clip / (torch.linalg.vector_norm(p.grad.float()) + 1e-10)).clamp(max=1.0)
+              for p in params]
+    before = [p.detach().clone() for p in params]
     optimizer.step()
     with torch.no_grad():
-        for i, old in before.items():
-            params[i].lerp_(old, 1.0 - scales[i])
+        for p, old, scale in zip(params, before, scales, strict=True):
+            p.lerp_(old, (1.0 - scale).to(p.dtype))
 
 
 def build_scheduler(

@@ -18,6 +18,7 @@ the mask is 0, the convention of the paper's Figure 4 (smallest possible span = 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -48,12 +49,18 @@ class Span(nn.Module):
     def forward(self, x: Tensor) -> Tensor | None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def z_bounds(self, z: Tensor | None) -> tuple[list[float], list[float]] | None:
+        """Least and greatest ``z`` of each head over the tokens, on the host (None when the
+        heads are unmasked). Reading them is one host-device synchronisation."""
+        if z is None:
+            return None
+        z = z.detach().reshape(-1, self.n_heads, z.shape[-1])
+        least, greatest = torch.stack([z.amin(dim=(0, 2)), z.amax(dim=(0, 2))]).tolist()
+        return least, greatest
+
     def windows(self, z: Tensor | None) -> list[int]:
         """Keys each head can still see: ``min(S, ceil(max z + R))`` (beyond, the mask is 0)."""
-        if z is None:
-            return [self.max_span] * self.n_heads
-        z_max = z.detach().reshape(-1, self.n_heads, z.shape[-1]).amax(dim=(0, 2))
-        return [min(self.max_span, math.ceil(v + self.ramp)) for v in z_max.tolist()]
+        return windows_of(self.z_bounds(z), self.max_span, self.ramp, self.n_heads)
 
     def z_penalty(self) -> Tensor | None:
         """Sum over heads of z (for dynamic spans: z_t averaged over tokens); None if fixed."""
@@ -86,14 +93,29 @@ class FixedSpan(Span):
         return None
 
 
+def windows_of(bounds: tuple[list[float], list[float]] | None, max_span: int, ramp: int,
+               n_heads: int) -> list[int]:
+    """Keys each head can still see, ``min(S, ceil(max z + R))``, from :meth:`Span.z_bounds`."""
+    if bounds is None:
+        return [max_span] * n_heads
+    return [min(max_span, math.ceil(v + ramp)) for v in bounds[1]]
+
+
 class AdaptiveSpan(Span):
-    """One learnable span per head: ``z = S * z'`` with ``z'`` in [0, 1] (paper §2.2, §3)."""
+    """One learnable span per head: ``z = S * z'`` with ``z'`` in [0, 1] (paper §2.2, §3).
+
+    A copy of ``z`` is kept on the host for the key windows: it is read again only when ``z'``
+    changed (an optimiser step, a load; detected by the parameter's version counter), so a
+    forward pass with unchanged spans does not wait for the device. :func:`read_spans` reads
+    the copies of many spans in one transfer.
+    """
 
     learned = True
 
     def __init__(self, n_heads: int, max_span: int, ramp: int, init: float = 0.0) -> None:
         super().__init__(n_heads, max_span, ramp)
         self.z_frac = nn.Parameter(torch.full((n_heads,), float(init)))
+        self._host: tuple[tuple, list[float]] | None = None  # (version of z', z on the host)
 
     def z(self) -> Tensor:
         """Span parameter of each head in tokens (size H)."""
@@ -105,8 +127,26 @@ class AdaptiveSpan(Span):
     def z_penalty(self) -> Tensor:
         return self.z().sum()
 
+    def _version(self) -> tuple:
+        z_frac = self.z_frac
+        return z_frac._version, z_frac.data_ptr(), z_frac.device
+
+    def stale(self) -> bool:
+        """Whether ``z'`` changed since its host copy was read."""
+        return self._host is None or self._host[0] != self._version()
+
+    def host_z(self) -> list[float]:
+        """``z`` of each head on the host (read from the device only when stale)."""
+        if self.stale():
+            read_spans([self])
+        return self._host[1]
+
+    def z_bounds(self, z: Tensor | None) -> tuple[list[float], list[float]]:
+        z = self.host_z()
+        return z, z
+
     def spans(self) -> Tensor:
-        return (self.z().detach().float().cpu() + self.ramp).clamp(max=self.max_span)
+        return (torch.tensor(self.host_z()) + self.ramp).clamp(max=self.max_span)
 
     @torch.no_grad()
     def set_spans(self, spans: Tensor) -> None:
@@ -168,3 +208,14 @@ class DynamicSpan(Span):
         self.v.zero_()
         self.b.copy_(torch.logit(frac).to(self.b))
         self._last_z = None
+
+
+def read_spans(spans: Iterable[Span]) -> None:
+    """Bring the host copies of ``z`` of every stale :class:`AdaptiveSpan` in ``spans`` up to
+    date in one transfer (one host-device synchronisation, none when all are current)."""
+    stale = [span for span in spans if isinstance(span, AdaptiveSpan) and span.stale()]
+    if not stale:
+        return
+    values = torch.cat([span.z().detach().float() for span in stale]).tolist()
+    for i, span in enumerate(stale):
+        span._host = (span._version(), values[i * span.n_heads : (i + 1) * span.n_heads])

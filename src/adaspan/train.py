@@ -7,7 +7,8 @@ log-likelihood of every character of the block plus the span penalty. The learni
 linearly from 0 during ``warmup`` steps and may be divided for the last ``lr_drop_steps``.
 
 Run under ``torchrun`` (``WORLD_SIZE`` > 1), every process takes a contiguous share of the
-streams and gradients are averaged with DistributedDataParallel; only rank 0 writes files.
+streams and gradients are averaged with DistributedDataParallel; every rank validates its
+share of the validation streams and saves its part of the carried cache, rank 0 the rest.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from .checkpoint import (
     load_training_state,
     prepare_run_dir,
     remove_temporaries,
-    rng_state,
     save_checkpoint,
     save_config,
     saved_step,
@@ -55,6 +55,7 @@ from .memory import check_training_memory
 from .metrics import MetricsLog
 from .model import SpanLM
 from .optim import build_optimizer, build_scheduler, lr_factor, step_with_tensor_clip
+from .precision import autocast, resolve_dtype, use_tf32
 
 
 def train_step(
@@ -66,29 +67,30 @@ def train_step(
     cache: StreamCache,
     config: TrainConfig,
     net: torch.nn.Module | None = None,
-) -> tuple[float, StreamCache]:
-    """One optimiser step on the block ``x`` -> ``y``; returns the mean NLL (nats) and new cache.
+) -> tuple[Tensor, StreamCache]:
+    """One optimiser step on the block ``x`` -> ``y``; returns the mean NLL (nats, a 0-dim
+    tensor on the device: reading it waits for the step) and the new cache.
 
     The streams are processed in ``config.batch_split`` slices, each with its own cache rows;
     each slice's loss is divided by the number of slices, so the accumulated gradient is the
     gradient of the whole batch. ``net`` is ``model`` wrapped for distributed training.
+    Nothing here waits for the device but reading the spans once, when they changed.
     """
     net = net if net is not None else model
     slices = config.batch_split
     rows = x.shape[0] // slices
-    bf16 = config.dtype == "bfloat16"
     optimizer.zero_grad(set_to_none=True)
-    nll_total, parts = 0.0, []
+    nll_total, parts = x.new_zeros((), dtype=torch.float32), []
     for k in range(slices):
         part = slice(k * rows, (k + 1) * rows)
         last = k == slices - 1
         with nullcontext() if last or net is model else net.no_sync():
-            with torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
+            with autocast(config.dtype, x.device):
                 log_probs, part_cache = net(x[part], cache.rows(part).layers)
                 nll = F.nll_loss(log_probs.flatten(0, 1).float(), y[part].flatten())
                 loss = (nll + model.span_loss()) / slices
             loss.backward()
-        nll_total += nll.item() / slices
+        nll_total += nll.detach() / slices
         parts.append(StreamCache(part_cache))
     if config.clip > 0 and config.clip_mode == "per-tensor-lr":
         step_with_tensor_clip(optimizer, config.clip)
@@ -123,12 +125,9 @@ def train(
     """
     dist = Distributed.from_env()
     train_config = stored_form(train_config)
-    owns_group = dist.active and not torch_dist.is_initialized()
-    device = resolve_device(train_config.device, dist.local_rank)
-    if owns_group:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        torch_dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = resolve_device(train_config.device, dist.local_rank, dist.world_size)
+    use_tf32(device)
+    owns_group = dist.start(device)
     try:
         return _Loop(build_run(model_config, train_config, Path(run_dir), resume, device, dist,
                                progress and dist.is_main), log if dist.is_main else _silent).run()
@@ -217,10 +216,9 @@ def build_run(
     scheduler = build_scheduler(optimizer, config)
     resuming = resume and has_checkpoint(run_dir)
     if resuming:
-        state = load_training_state(run_dir, model, optimizer, scheduler, device, dist.rank)
+        state = load_training_state(run_dir, model, optimizer, scheduler, device, dist)
         for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
             group["lr"] = base_lr * lr_factor(state.step, config)  # steps may have changed
-        state.cache = state.cache.rows(dist.rows(config.batch_size))
     else:  # a new run, or one stopped before its first checkpoint
         state = TrainingState(0, 0, _empty_cache(model, config, dist))
     memory = check_training_memory(model, config, device, dist)  # before any write
@@ -261,22 +259,23 @@ def _empty_cache(model: SpanLM, config: TrainConfig, dist: Distributed) -> Strea
 
 @dataclass
 class _Window:
-    """Training NLL and time accumulated over some steps."""
+    """The steps since the last record: their summed and largest loss, kept on the device
+    (read at records only, so that no step waits for the device), and their wall time."""
 
-    nll: float = 0.0
+    nll: Tensor | None = None
+    worst: Tensor | None = None
     steps: int = 0
-    seconds: float = 0.0
+    start: float = field(default_factory=time.monotonic)
 
-    def add(self, nll: float, seconds: float) -> None:
-        self.nll += nll
+    def add(self, nll: Tensor) -> None:
+        self.nll = nll if self.nll is None else self.nll + nll
+        self.worst = nll if self.worst is None else torch.maximum(self.worst, nll)
         self.steps += 1
-        self.seconds += seconds
 
-    def bpc(self) -> float | None:
-        return self.nll / self.steps / math.log(2) if self.steps else None
-
-    def chars_per_s(self, chars_per_step: int) -> float | None:
-        return self.steps * chars_per_step / self.seconds if self.seconds else None
+    def read(self) -> tuple[float, float]:
+        """The mean and the largest loss of the steps (nats), read from the device."""
+        total, worst = torch.stack([self.nll, self.worst]).tolist()
+        return total / self.steps, worst
 
 
 class _Loop:
@@ -292,7 +291,8 @@ class _Loop:
         self.chars_per_step = self.config.batch_size * self.config.block_size
         self.metrics = (MetricsLog(self.run_dir, self.state.step, self.config.tensorboard)
                         if self.dist.is_main else None)
-        self.window, self.total = _Window(), _Window()  # since the last record / this call
+        self.window = _Window()  # the steps since the last record
+        self.trained = (0, 0.0)  # steps and seconds of training of this call, at the last record
         self.last = {"train_bpc": None, "valid_bpc": None, "lr": None}
         self.saved_step = self.state.step if self.state.step else None  # last checkpoint
         self.start = time.monotonic()
@@ -303,21 +303,20 @@ class _Loop:
         self.log(self._describe())
         self.start = time.monotonic()
         stopped = "completed"
-        bar = tqdm(total=config.steps, initial=state.step, unit="step", dynamic_ncols=True,
-                   disable=None if self.setup.progress else True)
+        self.bar = bar = tqdm(total=config.steps, initial=state.step, unit="step",
+                              dynamic_ncols=True, disable=None if self.setup.progress else True)
+        self.window = _Window()
         try:
             with bar, _deferred_signals() as received:
                 while state.step < config.steps:
-                    nll = self._step()
+                    self._step()
                     over_budget = (config.time_budget is not None
                                    and time.monotonic() - self.start > config.time_budget)
                     signum = received()
-                    diverged, over_budget, sigint, sigterm = self.dist.agree(
-                        [self._diverged(nll), over_budget, signum == signal.SIGINT,
-                         signum == signal.SIGTERM], self.device)  # every rank stops together
-                    if diverged:
-                        self._stop_diverged(nll)
-                    self._show(bar)
+                    over_budget, sigint, sigterm = self.dist.agree(
+                        [over_budget, signum == signal.SIGINT, signum == signal.SIGTERM],
+                        self.device)  # every rank stops together
+                    bar.update(1)
                     done = state.step >= config.steps
                     self._record_and_save(done or over_budget, sigint or sigterm)
                     if (sigint or sigterm) and not done:
@@ -337,29 +336,30 @@ class _Loop:
                 self.metrics.close()
         return self._summary(stopped)
 
-    def _step(self) -> float:
-        """Train on the next block (wrapping to block 0 with a fresh cache after the last one);
-        return its loss."""
+    def _step(self) -> None:
+        """Train on the next block (wrapping to block 0 with a fresh cache after the last one)."""
         state = self.state
         if state.position >= len(self.stream):
             state.position, state.cache = 0, _empty_cache(self.model, self.config, self.dist)
-        x, y = (t[self.rows].to(self.device) for t in self.stream.block(state.position))
+        x, y = torch.stack(self.stream.block(state.position))[:, self.rows].to(self.device)
         setup = self.setup
         self.last["lr"] = setup.optimizer.param_groups[0]["lr"]
-        tic = time.monotonic()
         nll, state.cache = train_step(self.model, setup.optimizer, setup.scheduler, x, y,
                                       state.cache, self.config, setup.net)
-        seconds = time.monotonic() - tic
-        self.window.add(nll, seconds)
-        self.total.add(nll, seconds)
+        self.window.add(nll)
         state.step += 1
         state.position += 1
-        return nll
 
-    def _diverged(self, nll: float) -> bool:
-        """Whether the loss is NaN/inf or far above a uniform guess (2 log2 V bits)."""
-        bits = nll / math.log(2)
-        return not (math.isfinite(bits) and bits <= 2 * math.log2(self.model.config.vocab_size))
+    def _read_loss(self) -> float:
+        """The mean training loss since the last record (nats); stops a run whose loss was
+        NaN/inf or far above a uniform guess (2 log2 V bits) at any of those steps, on any
+        rank, before anything is recorded or saved."""
+        nll, worst = self.window.read()
+        bits = worst / math.log(2)
+        ok = math.isfinite(bits) and bits <= 2 * math.log2(self.model.config.vocab_size)
+        if self.dist.agree([not ok], self.device)[0]:
+            self._stop_diverged(worst)
+        return nll
 
     def _stop_diverged(self, nll: float) -> None:
         kept = (f"the checkpoint of step {self.saved_step} is kept" if self.saved_step
@@ -372,13 +372,21 @@ class _Loop:
             f"(clip={self.config.clip:g})")
 
     def _record_and_save(self, finishing: bool, interrupt: bool) -> None:
-        """Log (and validate) or checkpoint when the step calls for it."""
+        """Log (and validate) or checkpoint when the step calls for it, after reading the loss
+        (so a diverged run stops before anything is written)."""
         step, config = self.state.step, self.config
         validate = finishing or step % config.eval_interval == 0
-        if validate or step % config.log_interval == 0:
-            self._record(validate)
-        if finishing or interrupt or step % config.checkpoint_interval == 0:
+        record = validate or step % config.log_interval == 0
+        save = finishing or interrupt or step % config.checkpoint_interval == 0
+        if not (record or save):
+            return
+        nll = self._read_loss()
+        if record:
+            self._record(nll, validate)
+        if save:
+            tic = time.monotonic()
             self._checkpoint()
+            self.window.start += time.monotonic() - tic  # saving is not training time
 
     def _elapsed(self) -> float:
         """Seconds of training of the run, over all its calls."""
@@ -388,19 +396,13 @@ class _Loop:
         spans = [s for layer in self.model.spans() for s in layer]
         return sum(spans) / len(spans), max(spans)
 
-    def _show(self, bar: tqdm) -> None:
-        if not bar.disable:
-            avg_span, max_span = self._spans()
-            chars_per_s = self.window.chars_per_s(self.chars_per_step) or 0.0
-            bar.set_postfix({"bpc": f"{self.window.bpc():.3f}", "chars/s": f"{chars_per_s:,.0f}",
-                             "span avg/max": f"{avg_span:.0f}/{max_span:.0f}",
-                             "lr": f"{self.last['lr']:.2e}"}, refresh=False)
-        bar.update(1)
-
-    def _record(self, validate: bool) -> None:
+    def _record(self, nll: float, validate: bool) -> None:
         """Write one metrics record (all ranks take part: the train loss is averaged)."""
-        train_bpc = self.dist.mean(self.window.bpc(), self.device)
-        valid_bpc = self._validate() if validate and self.dist.is_main else None
+        seconds = time.monotonic() - self.window.start
+        steps, trained = self.window.steps, self.trained
+        self.trained = (trained[0] + steps, trained[1] + seconds)
+        train_bpc = self.dist.mean(nll / math.log(2), self.device)
+        valid_bpc = self._validate() if validate else None
         avg_span, max_span = self._spans()
         layers = self.model.spans()
         record = {
@@ -408,7 +410,7 @@ class _Loop:
             "train_bpc": train_bpc,
             "valid_bpc": valid_bpc,
             "lr": self.last["lr"],
-            "chars_per_s": self.window.chars_per_s(self.chars_per_step),
+            "chars_per_s": steps * self.chars_per_step / seconds,
             "avg_span": avg_span,
             "max_span": max_span,
             "layer_avg_span": [sum(layer) / len(layer) for layer in layers],
@@ -418,27 +420,28 @@ class _Loop:
         if self.metrics is not None:
             self.metrics.write(record)
         self.log(_format_record(record, self.config.steps))
+        self.bar.set_postfix({"bpc": f"{train_bpc:.3f}", "chars/s": f"{record['chars_per_s']:,.0f}",
+                              "span avg/max": f"{avg_span:.0f}/{max_span:.0f}",
+                              "lr": f"{self.last['lr']:.2e}"}, refresh=False)
         self.last.update({k: v for k, v in record.items() if v is not None})
         self.window = _Window()
 
     def _validate(self) -> float:
-        """Bits per character on the first ``eval_chars`` of the valid split."""
-        batch_size = self.dist.share(self.config.batch_size) // self.config.batch_split
+        """Bits per character on the first ``eval_chars`` of the valid split, each rank
+        scoring its share of the streams (as many per rank as a training slice)."""
+        batch_size = self.config.batch_size // self.config.batch_split
         result = evaluate(self.model, self.setup.corpus.valid, batch_size=batch_size,
-                          block_size=self.config.block_size, max_chars=self.config.eval_chars)
+                          block_size=self.config.block_size, max_chars=self.config.eval_chars,
+                          dtype=self.config.dtype, dist=self.dist)
         return result["bpc"]
 
     def _checkpoint(self) -> None:
-        """Save on rank 0, with the cache rows and RNG states of every rank."""
-        caches = self.dist.gather(self.state.cache.to("cpu"))
-        rngs = self.dist.gather(rng_state())
-        if self.dist.is_main:
-            save_checkpoint(self.run_dir, self.model, self.setup.optimizer,
-                            self.setup.scheduler, self.state.step, self.state.position,
-                            StreamCache.merge(caches), self.config, elapsed=self._elapsed(),
-                            rng=rngs)
-            if self.config.keep_last:
-                archive_checkpoint(self.run_dir, self.state.step, self.config.keep_last)
+        """Save: every rank its cache rows and RNG state, rank 0 then the rest."""
+        save_checkpoint(self.run_dir, self.model, self.setup.optimizer, self.setup.scheduler,
+                        self.state.step, self.state.position, self.state.cache, self.config,
+                        elapsed=self._elapsed(), dist=self.dist)
+        if self.dist.is_main and self.config.keep_last:
+            archive_checkpoint(self.run_dir, self.state.step, self.config.keep_last)
         self.saved_step = self.state.step
 
     def _describe(self) -> str:
@@ -448,7 +451,8 @@ class _Loop:
         return (f"{self.run_dir}: {where}; {self.model.num_parameters():,} parameters, "
                 f"{self.setup.corpus.name} ({len(self.setup.corpus.train):,} train chars), "
                 f"{config.steps:,} steps of {config.batch_size}x{config.block_size} chars, "
-                f"{config.optimizer} lr {config.lr:g}, on {self.device}{processes}; memory "
+                f"{config.optimizer} lr {config.lr:g}, on {self.device}{processes} in "
+                f"{resolve_dtype(config.dtype, self.device)}; memory "
                 f"{self.setup.memory}")
 
     def _summary(self, stopped: str) -> dict:
@@ -457,7 +461,8 @@ class _Loop:
             "steps": self.state.step,
             "train_bpc": self.last["train_bpc"],
             "valid_bpc": self.last["valid_bpc"],
-            "chars_per_s": self.total.chars_per_s(self.chars_per_step),
+            "chars_per_s": (self.trained[0] * self.chars_per_step / self.trained[1]
+                            if self.trained[1] else None),
             "avg_span": avg_span,
             "max_span": max_span,
             "spans": self.model.spans(),
