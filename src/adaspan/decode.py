@@ -135,9 +135,12 @@ class _LayerDecoder:
         self.slots = [pairs[:, :, :, s] for s in range(W)]  # (2, H, 2, dh): slots s and s + W
         self.qkv = torch.empty(1, 3 * D, **work)
         self.q = self.qkv[0, :D].view(H, dh)
+        self.q_rows = self.q.view(H, 1, dh)
         self.kv = self.qkv[0, D:].view(2, H, 1, dh)
         self.scores = torch.empty(H, W, **work)
-        self.heads = torch.empty(H, 1, dh, **work)
+        self.score_rows = self.scores.view(H, 1, W)
+        self.heads = torch.empty(1, D, **work)  # the heads' outputs side by side
+        self.head_rows = self.heads.view(H, 1, dh)
         self.attended = torch.empty(1, D, **work)
         self.inner = torch.empty(1, d_inner, **work)
         self.ff = torch.empty(1, D, **work)
@@ -154,16 +157,15 @@ class _LayerDecoder:
 
     def __call__(self, x: Tensor, t: int) -> Tensor:
         """The layer's output (1, D) for the token at position ``t`` of hidden state ``x``."""
-        s, H, dh = t % self.window, *self.q.shape
+        s = t % self.window  # keys t - W .. t - 1 are slots s .. s + W - 1
         torch.mm(x.to(self.dtype), self.qkv_weight, out=self.qkv)
         log_mask = self.log_mask if self.log_mask is not None else self._dynamic_log_mask(x)
         torch.addmm(log_mask, self.q, self.pos_t, out=self.scores)  # log m_z(d) + q . p_d
-        scores = self.scores.view(H, 1, -1)
-        scores.baddbmm_(self.q.view(H, 1, dh), self.keys_t[s])  # + q . k_r (eq. 1)
+        self.score_rows.baddbmm_(self.q_rows, self.keys_t[s])  # + q . k_r (eq. 1)
         torch.softmax(self.scores, -1, out=self.scores)  # eq. 2
-        torch.bmm(scores, self.values[s], out=self.heads)  # eq. 3
+        torch.bmm(self.score_rows, self.values[s], out=self.head_rows)  # eq. 3
         self.slots[s].copy_(self.kv)  # this token's key and value, for the next W tokens
-        torch.mm(self.heads.view(1, -1), self.o_weight, out=self.attended)
+        torch.mm(self.heads, self.o_weight, out=self.attended)
         h = _layer_norm(self.norm1, torch.add(x, self.attended, out=self.h))
         torch.addmm(self.fc1_bias, h.to(self.dtype), self.fc1_weight, out=self.inner).relu_()
         torch.addmm(self.fc2_bias, self.inner, self.fc2_weight, out=self.ff)

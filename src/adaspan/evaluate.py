@@ -40,10 +40,11 @@ def evaluate(
     estimate for periodic validation. The model is moved to ``device`` (default: where it
     is), run in eval mode without gradients, and left in the train/eval mode it had.
     ``dtype`` is that of the products (:mod:`adaspan.precision`: auto, float32 or bfloat16).
-    Nothing waits for the device until the end but the upload of each block. Returns ``bpc``, ``loss`` (nats
-    per character) and ``chars`` (number of targets); with ``token_logprobs=True`` also
-    ``token_logprobs``, the natural-log probability of every scored target in stream order (all of
-    stream 0, then stream 1, ...: text order when ``batch_size`` is 1), a float32 array.
+    Nothing waits for the device until the end but the upload of each block. Returns
+    ``bpc``, ``loss`` (nats per character) and ``chars`` (number of targets); with
+    ``token_logprobs=True`` also ``token_logprobs``, the natural-log probability of every
+    scored target in stream order (all of stream 0, then stream 1, ...: text order when
+    ``batch_size`` is 1), a float32 array.
 
     With ``dist`` (every rank of a torchrun job calls it, each with its own ``device``), each
     rank scores its :meth:`~Distributed.rows` of the ``batch_size`` streams and the sums are
@@ -68,9 +69,9 @@ def evaluate(
     model.to(device).eval()
     nll, chars, kept = torch.zeros((), dtype=torch.float64, device=device), 0, []
     try:
-        with torch.no_grad(), autocast(dtype, device), tqdm(total=stream.num_chars // dist.world_size,
-                                             unit="char", unit_scale=True, desc="evaluating",
-                                             disable=None if progress else True) as bar:
+        bar = tqdm(total=stream.num_chars // dist.world_size, unit="char", unit_scale=True,
+                   desc="evaluating", disable=None if progress else True)
+        with torch.no_grad(), autocast(dtype, device), bar:
             cache = model.empty_cache(share, keys_values=True)
             for _, x, y in stream.blocks():
                 x, y = torch.stack([x[rows], y[rows]]).to(device)  # one upload
