@@ -92,3 +92,16 @@ def test_a_whole_training_step_of_the_loop_waits_at_most_twice(tmp_path, corpus_
     run_quietly(tmp_path / "run", config, TRAIN_MODEL)
     steps = [counts[i] + counts[i + 1] for i in range(0, len(counts), 2)]
     assert len(steps) == 6 and all(len(calls) <= 2 for calls in steps[1:-1]), steps
+
+
+def test_evaluation_waits_once_per_block_for_its_upload():
+    from adaspan.evaluate import evaluate
+
+    model = _model("adaptive", 6)
+    tokens = torch.randint(0, 32, (2 * 8 * 16 + 1,)).numpy()  # 8 blocks of 2 x 16
+    evaluate(model, tokens[:33], batch_size=2, block_size=16)  # builds the head groups
+    with SyncCounter() as syncs:
+        result = evaluate(model, tokens, batch_size=2, block_size=16)
+    assert result["chars"] == 2 * 8 * 16
+    # per block: its upload; once: moving the model to its device, reading the sum
+    assert syncs.count <= 8 + 2, syncs.report()

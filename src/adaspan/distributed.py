@@ -52,11 +52,15 @@ class Distributed:
 
     def agree(self, flags: list[bool], device: torch.device) -> list[bool]:
         """Each flag, true if it is true on any rank."""
+        return [bool(v) for v in self.largest([int(f) for f in flags], device)]
+
+    def largest(self, values: list[int], device: torch.device) -> list[int]:
+        """Each value's maximum over the ranks."""
         if not self.active:
-            return flags
-        votes = torch.tensor(flags, dtype=torch.int32, device=device)
+            return values
+        votes = torch.tensor(values, dtype=torch.int64, device=device)
         torch_dist.all_reduce(votes, op=torch_dist.ReduceOp.MAX)
-        return [bool(v) for v in votes.tolist()]
+        return votes.tolist()
 
     def sum(self, values: list[float], device: torch.device) -> list[float]:
         """Each value summed over the ranks (in float64: counts stay exact up to 2**53)."""

@@ -3,13 +3,16 @@
 The estimate adds what does not depend on the batch (weights, optimiser state) to a
 measurement of one training step with one and with two streams from an empty cache whose
 windows are full (the gradients and the part per stream: activations, attention tiles, the
-cache), extrapolated to the streams one slice of the batch holds. Training refuses to start when
-the estimate exceeds the memory available.
+cache), extrapolated to the streams one slice of the batch holds, or to validation's
+key/value buffers (with the gradients still held), whichever is larger. It holds for the spans
+it was made at: training re-estimates as the spans grow and raises ``batch_split`` (the same
+update, in more slices) when a step would no longer fit (:func:`fit_batch_split`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -20,8 +23,10 @@ from pathlib import Path
 
 import torch
 
+from .cache import HEADROOM
 from .config import TrainConfig
 from .distributed import Distributed
+from .errors import UserError
 from .model import SpanLM
 
 GB = 2**30
@@ -37,30 +42,37 @@ class MemoryEstimate:
     first_stream: int  # a step with one stream: gradients, activations, tiles, cache
     per_stream: int  # what each further stream adds
     streams: int
+    gradients: int = 0  # kept while validating (0: no validation counted)
+    eval_per_stream: int = 0  # validation's key/value buffers, per stream
 
     @property
     def step(self) -> int:
         return self.first_stream + (self.streams - 1) * self.per_stream
 
     @property
+    def validation(self) -> int:
+        """Validation with as many streams as a step (each rank: its share of a slice)."""
+        return self.gradients + self.streams * self.eval_per_stream
+
+    @property
     def total(self) -> int:
-        return self.weights + self.optimizer + self.step
+        return self.weights + self.optimizer + max(self.step, self.validation)
 
     def with_streams(self, streams: int) -> MemoryEstimate:
         return replace(self, streams=streams)
 
     def describe(self) -> str:
-        return (f"{self.total / GB:.2f} GB (weights {self.weights / GB:.2f}, optimiser "
-                f"{self.optimizer / GB:.2f}, a step of {self.streams} streams "
-                f"{self.step / GB:.2f})")
+        return (f"{size(self.total)} (weights {size(self.weights)}, optimiser "
+                f"{size(self.optimizer)}, a step of {self.streams} streams {size(self.step)})")
 
 
 def estimate_training_memory(
-    model: SpanLM, optimizer: str, streams: int, block_size: int
+    model: SpanLM, optimizer: str, streams: int, block_size: int, validation: bool = False
 ) -> MemoryEstimate:
     """Peak memory of a training step of ``model`` (at its current spans) with ``streams``
-    streams of ``block_size`` per slice, and ``optimizer``'s state. Random states are left as
-    they were: the probes do not change the course of training."""
+    streams of ``block_size`` per slice, and ``optimizer``'s state; or, with
+    ``validation``, of a validation with as many streams, if larger. Random states are left as they were: the probes do
+    not change the course of training."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
     devices = [model.embed.weight.device] if model.embed.weight.is_cuda else []
@@ -68,7 +80,37 @@ def estimate_training_memory(
         one, two = (step_peak_memory(model, n, block_size) for n in (1, 2))
     model.zero_grad(set_to_none=True)
     return MemoryEstimate(weights, OPTIMIZER_STATES[optimizer] * parameters, one,
-                          max(two - one, 0), streams)
+                          max(two - one, 0), streams, parameters if validation else 0,
+                          evaluation_memory(model, 1, block_size) if validation else 0)
+
+
+def evaluation_memory(model: SpanLM, streams: int, block_size: int) -> int:
+    """Bytes of the key/value buffers of an evaluation with ``streams`` streams of
+    ``block_size``: per layer, keys and values of the history its heads see (the longest
+    span, S for spans that depend on the tokens) in buffers with room for the next blocks
+    (:class:`adaspan.cache.KeyValueCache`: history + block + max(block, HEADROOM, history))."""
+    config, total = model.config, 0
+    for layer_spans in model.spans():
+        span = config.max_span
+        if not model.span_type.input_dependent:
+            span = min(span, math.ceil(max(layer_spans) / config.span_bucket) * config.span_bucket)
+        capacity = span + block_size + max(block_size, HEADROOM, span)
+        total += 2 * streams * config.d_model * capacity * model.embed.weight.element_size()
+    return total
+
+
+@contextmanager
+def spans_at_limit(model: SpanLM) -> Iterator[None]:
+    """Every learned span set to S for the block, then put back as it was."""
+    spans = [layer.attn.span for layer in model.layers]
+    saved = [{k: v.clone() for k, v in span.state_dict().items()} for span in spans]
+    if model.span_type.learned:
+        model.set_spans([model.config.max_span] * model.config.n_heads)
+    try:
+        yield
+    finally:
+        for span, state in zip(spans, saved, strict=True):
+            span.load_state_dict(state)
 
 
 @contextmanager
@@ -85,28 +127,61 @@ def _stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
+def size(nbytes: int) -> str:
+    """``nbytes`` for people: GB from 0.1 GB up, else MB."""
+    return f"{nbytes / GB:.2f} GB" if nbytes >= GB / 10 else f"{nbytes / 2**20:.1f} MB"
+
+
+class OutOfMemory(UserError, MemoryError):
+    """No ``batch_split`` lets a training step fit in the memory available."""
+
+
+def fit_batch_split(
+    model: SpanLM, config: TrainConfig, streams: int, available: int
+) -> tuple[int | None, MemoryEstimate]:
+    """The least ``batch_split`` (from ``config.batch_split`` up, dividing the ``streams`` of
+    this process) whose step fits in ``available`` bytes at the model's current spans (None:
+    not even one stream per slice fits), and the estimate it was chosen by."""
+    estimate = estimate_training_memory(
+        model, config.optimizer, streams // config.batch_split, config.block_size,
+        validation=True)
+    for split in range(config.batch_split, streams + 1):
+        if streams % split == 0 and estimate.with_streams(streams // split).total <= available:
+            return split, estimate
+    return None, estimate
+
+
 def check_training_memory(
-    model: SpanLM, config: TrainConfig, device: torch.device, dist: Distributed
-) -> str:
-    """Estimate the peak memory of a training step (:mod:`adaspan.memory`); refuse with
-    MemoryError when it exceeds what is available, saying what to change. Returns the
-    estimate and the memory available, as one phrase for the log."""
-    streams = dist.share(config.batch_size)
-    estimate = estimate_training_memory(model, config.optimizer, streams // config.batch_split,
-                                        config.block_size)
+    model: SpanLM, config: TrainConfig, streams: int, available: int
+) -> tuple[int, str]:
+    """The ``batch_split`` a run starts with (``config.batch_split``, raised if a step would
+    not fit in ``available`` bytes at the current spans), and one phrase for the log: the
+    estimates at the current spans and with every span at S. Refuses with
+    :class:`OutOfMemory` when even one stream per slice does not fit."""
+    split, estimate = fit_batch_split(model, config, streams, available)
+    if split is None:
+        raise OutOfMemory(
+            f"a training step needs about {estimate.with_streams(1).describe()} with one "
+            f"stream per slice at the current spans, but {size(available)} are "
+            "available: set a smaller block_size or max_span, or a CPU preset "
+            "(--preset cpu-small)")
+    with spans_at_limit(model):
+        at_limit = estimate_training_memory(model, config.optimizer, streams // split,
+                                            config.block_size, validation=True)
+    raised = (f"; batch_split raised to {split} to fit" if split != config.batch_split
+              else "")
+    return split, (f"~{size(estimate.with_streams(streams // split).total)} at the current "
+                   f"spans, ~{size(at_limit.total)} with every span at S, of "
+                   f"{size(available)} available{raised}")
+
+
+def memory_available(device: torch.device, config: TrainConfig, dist: Distributed) -> int:
+    """Bytes a run may use: ``memory_limit``, or what the device has free now (read once,
+    before the model exists), shared among the processes of a CPU machine."""
+    if config.memory_limit is not None:
+        return int(config.memory_limit * GB)
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
-    available = available_memory(device, 1 if device.type == "cuda" else processes)
-    if estimate.total > available:
-        fits = [k for k in range(config.batch_split, streams + 1) if streams % k == 0
-                and estimate.with_streams(streams // k).total <= available]
-        advice = (f"batch_split={fits[0]} (a step then needs "
-                  f"{estimate.with_streams(streams // fits[0]).total / GB:.1f} GB), "
-                  if fits else "")
-        raise MemoryError(
-            f"a training step needs about {estimate.describe()} at the current spans, but "
-            f"{available / GB:.1f} GB of {device.type} memory are available: set {advice}a "
-            f"smaller block_size or batch_size, or a CPU preset (--preset cpu-small)")
-    return f"~{estimate.total / GB:.2f} GB of {available / GB:.1f} GB available"
+    return available_memory(device, 1 if device.type == "cuda" else processes)
 
 
 def available_memory(device: torch.device, processes: int = 1) -> int:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +51,7 @@ from .data import BlockStream, Corpus, load_corpus
 from .distributed import Distributed, resolve_device
 from .errors import UserError
 from .evaluate import evaluate
-from .memory import check_training_memory
+from .memory import OutOfMemory, check_training_memory, fit_batch_split, memory_available, size
 from .metrics import MetricsLog
 from .model import SpanLM
 from .optim import build_optimizer, build_scheduler, lr_factor, step_with_tensor_clip
@@ -178,6 +178,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     state: TrainingState
     memory: str  # the estimated peak memory of a step, and the memory available
+    available: int  # bytes the run may use (read once, before the model existed)
     net: torch.nn.Module = field(init=False)  # the model, wrapped for distributed training
 
     def __post_init__(self) -> None:
@@ -211,6 +212,7 @@ def build_run(
         remove_temporaries(run_dir)
     _seed_everything(config.seed + dist.rank)
     corpus = _load_corpus(config, dist, progress)
+    available = memory_available(device, config, dist)
     model = SpanLM(model_config).to(device)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
@@ -221,12 +223,14 @@ def build_run(
             group["lr"] = base_lr * lr_factor(state.step, config)  # steps may have changed
     else:  # a new run, or one stopped before its first checkpoint
         state = TrainingState(0, 0, _empty_cache(model, config, dist))
-    memory = check_training_memory(model, config, device, dist)  # before any write
+    split, memory = check_training_memory(model, config, dist.share(config.batch_size),
+                                          available)  # before any write
+    config = replace(config, batch_split=dist.largest([split], device)[0])
     if dist.is_main and not resuming:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(run_dir, model_config, config)
     return Run(config, run_dir, device, dist, progress, corpus, model, optimizer, scheduler,
-               state, memory)
+               state, memory, available)
 
 
 def _check_steps_left(run_dir: Path, steps: int) -> None:
@@ -295,6 +299,7 @@ class _Loop:
         self.trained = (0, 0.0)  # steps and seconds of training of this call, at the last record
         self.last = {"train_bpc": None, "valid_bpc": None, "lr": None}
         self.saved_step = self.state.step if self.state.step else None  # last checkpoint
+        self.estimated_window = self._longest_window()  # the memory estimate's, in buckets
         self.start = time.monotonic()
 
     def run(self) -> dict:
@@ -381,12 +386,45 @@ class _Loop:
         if not (record or save):
             return
         nll = self._read_loss()
+        self._fit_memory()
         if record:
             self._record(nll, validate)
         if save:
             tic = time.monotonic()
             self._checkpoint()
             self.window.start += time.monotonic() - tic  # saving is not training time
+
+    def _longest_window(self) -> int:
+        """The longest span of any head, in ``span_bucket`` units (rounded up)."""
+        longest = max(max(layer) for layer in self.model.spans())
+        return math.ceil(longest / self.model.config.span_bucket)
+
+    def _fit_memory(self) -> None:
+        """When the longest window has grown since the last estimate, estimate a step again and
+        raise ``batch_split`` if it would not fit (the same update, in more slices); when not
+        even one stream per slice fits, save a checkpoint and stop with :class:`OutOfMemory`."""
+        longest = self._longest_window()
+        if longest <= self.estimated_window:
+            return
+        self.estimated_window = longest
+        config, streams = self.config, self.dist.share(self.config.batch_size)
+        split, estimate = fit_batch_split(self.model, config, streams, self.setup.available)
+        if self.dist.agree([split is None], self.device)[0]:
+            self._checkpoint()
+            raise OutOfMemory(
+                f"stopped at step {self.state.step} with a checkpoint in {self.run_dir}: at the "
+                f"current spans (up to {longest * self.model.config.span_bucket} keys) a step "
+                f"with one stream per slice needs ~{size(estimate.with_streams(1).total)} of "
+                f"the {size(self.setup.available)} available; resume it where more "
+                "memory is (memory_limit=, a larger device) or train with a smaller max_span")
+        split = self.dist.largest([split], self.device)[0]
+        if split != config.batch_split:
+            need = size(estimate.with_streams(streams // config.batch_split).total)
+            self.log(f"step {self.state.step}: spans up to "
+                     f"{longest * self.model.config.span_bucket} keys; a step would need "
+                     f"~{need} of {size(self.setup.available)}: batch_split raised "
+                     f"from {config.batch_split} to {split} (the same update, in more slices)")
+            self.config = replace(config, batch_split=split)
 
     def _elapsed(self) -> float:
         """Seconds of training of the run, over all its calls."""
