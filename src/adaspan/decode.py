@@ -35,11 +35,12 @@ from .model import Layer, SpanLM
 Step = Callable[[int], Tensor]  # a token in, the log-probabilities (V,) of the next one out
 
 
-def decoder(model: SpanLM, cache: Cache, position: int) -> Step:
+def decoder(model: SpanLM, cache: Cache, position: int, fast: bool = True) -> Step:
     """The per-token step continuing a stream of ``position`` tokens whose cache is ``cache``
     (from ``model(prompt, model.empty_cache(1, keys_values=True))``): a :class:`Decoder` where
-    it handles the model, else the model's forward, one block of one token at a time."""
-    if Decoder.handles(model):
+    it handles the model (unless ``fast=False``), else the model's forward, one block of one
+    token at a time."""
+    if fast and Decoder.handles(model):
         return Decoder(model, cache, position).step
     return _ModelStep(model, cache)
 

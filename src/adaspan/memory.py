@@ -71,8 +71,8 @@ def estimate_training_memory(
 ) -> MemoryEstimate:
     """Peak memory of a training step of ``model`` (at its current spans) with ``streams``
     streams of ``block_size`` per slice, and ``optimizer``'s state; or, with
-    ``validation``, of a validation with as many streams, if larger. Random states are left as they were: the probes do
-    not change the course of training."""
+    ``validation``, of a validation with as many streams, if larger. Random states are left
+    as they were: the probes do not change the course of training."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
     devices = [model.embed.weight.device] if model.embed.weight.is_cuda else []
