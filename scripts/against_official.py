@@ -3,7 +3,7 @@
 Usage:
     python scripts/against_official.py --official ../shared/anchors/bench_official.py \
         [--configs reference,fixed-1024,...] [--rounds 3] [--steps 8] [--out results.json] \
-        [--as-provided]
+        [--as-provided] [--device cuda]
 
 For each configuration, each round runs `adaspan bench` (``--statistic mean``) and the authors'
 benchmark script (same model, spans, batch and block; the mean of ``--steps`` steps after one
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,7 @@ CONFIGS = {
     "init": (4, 256, 4, 1024, 8192, "32", 256, 8),
     "long-spans": (4, 256, 4, 1024, 4096, "2048", 256, 8),
     "odd": (6, 384, 6, 1536, 4096, "32,100,300,700,2000,48", 200, 6),
+    "race": (4, 256, 4, 1024, 1024, "93,60,56,38", 256, 8),  # spans a 10-minute run learned
 }
 
 
@@ -47,11 +49,11 @@ def model_options(config: tuple) -> list[str]:
             f"max_span={span}", "ramp=32", "dropout=0", "vocab_size=256"]
 
 
-def adaspan(config: tuple, steps: int) -> dict:
+def adaspan(config: tuple, steps: int, device: str = "cpu") -> dict:
     spans, block, batch = config[5:]
     cmd = [sys.executable, "-m", "adaspan.cli", "bench", *model_options(config), "--spans",
            spans, "--block-size", str(block), "--batch-size", str(batch), "--steps", str(steps),
-           "--statistic", "mean", "--gen-chars", "2", "--json"]
+           "--statistic", "mean", "--gen-chars", "2", "--device", device, "--json"]
     return _json(cmd)
 
 
@@ -61,7 +63,8 @@ def adaspan(config: tuple, steps: int) -> dict:
 # became 32/32/32/451 in one layer and 605/32/701/451 in the next), so the steps it times are
 # of other spans than those asked for. The cost of an Adagrad step does not depend on its lr.
 PINNED_SPANS = """
-import runpy, sys, torch
+import os, runpy, sys, torch
+torch.set_default_device(os.environ.get("ADASPAN_AUTHORS_DEVICE", "cpu"))
 class Adagrad(torch.optim.Adagrad):
     def __init__(self, params, lr=0.0, **kwargs):
         super().__init__(params, lr=1e-9, **kwargs)
@@ -71,25 +74,31 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def authors(official: Path, config: tuple, steps: int, as_provided: bool = False) -> dict:
+def authors(official: Path, config: tuple, steps: int, as_provided: bool = False,
+            device: str = "cpu") -> dict:
+    """The authors' script (which has no device option: on CUDA its tensors are put there by
+    ``torch.set_default_device``, with the spans pinned)."""
     layers, d, heads, inner, span, spans, block, batch = config
     runner = [sys.executable] if as_provided else [sys.executable, "-c", PINNED_SPANS]
     cmd = [*runner, str(official), "--layers", str(layers), "--hidden", str(d),
            "--heads", str(heads), "--inner", str(inner), "--span", str(span), "--spans", spans,
            "--block", str(block), "--batch", str(batch), "--steps", str(steps), "--ramp", "32"]
-    return _json(cmd)
+    return _json(cmd, {"ADASPAN_AUTHORS_DEVICE": device})
 
 
-def _json(cmd: list[str]) -> dict:
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+def _json(cmd: list[str], env: dict | None = None) -> dict:
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                         env={**os.environ, **(env or {})}).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def measure(name: str, official: Path, rounds: int, steps: int, as_provided: bool) -> dict:
+def measure(name: str, official: Path, rounds: int, steps: int, as_provided: bool,
+            device: str = "cpu") -> dict:
     """Alternating rounds of one configuration; medians and ratios."""
     config, rows = CONFIGS[name], []
     for round_ in range(rounds):
-        ours, theirs = adaspan(config, steps), authors(official, config, steps, as_provided)
+        ours = adaspan(config, steps, device)
+        theirs = authors(official, config, steps, as_provided, device)
         row = {"config": name, "round": round_ + 1, "matmul_gflops": ours["matmul_gflops"],
                **{f"{side}_{kind}": figures[f"{kind}_chars_per_s"]
                   for side, figures in (("adaspan", ours), ("authors", theirs))
@@ -134,14 +143,15 @@ def main() -> None:
     parser.add_argument("--as-provided", action="store_true",
                         help="run the authors' script unchanged: its Adagrad (lr 0.07) moves "
                              "the spans during the timed steps (default: lr pinned to 1e-9)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
     args = parser.parse_args()
     names = [name.strip() for name in args.configs.split(",") if name.strip()]
     unknown = [name for name in names if name not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from "
                      f"{', '.join(CONFIGS)}")
-    results = [measure(name, args.official, args.rounds, args.steps, args.as_provided)
-               for name in names]
+    results = [measure(name, args.official, args.rounds, args.steps, args.as_provided,
+                       args.device) for name in names]
     for result in results:
         print(json.dumps({k: v for k, v in result.items() if k != "rounds"}))
     if args.out:
