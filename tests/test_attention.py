@@ -11,7 +11,7 @@ from helpers import span_attention, span_variants
 from reference import reference_attention
 
 from adaspan import band, soft_mask
-from adaspan.band import _BandSoftmax, banded_attention, ramp_columns, skew
+from adaspan.band import CHUNKS, _BandSoftmax, banded_attention, chunk_size, ramp_columns, skew
 from adaspan.cache import KeyValueCache
 from adaspan.span import AdaptiveSpan, FixedSpan
 
@@ -189,3 +189,8 @@ def test_the_public_softmax_formulas_agree_with_the_private_kernels(monkeypatch)
     monkeypatch.setattr(band, "_SOFTMAX_BACKWARD", None)
     public = outputs_and_gradients()
     torch.testing.assert_close(public, private)
+
+
+def test_a_block_is_one_chunk_on_cuda_and_chunked_by_the_table_on_the_cpu():
+    assert chunk_size(256, 64, "cuda") == 256 and chunk_size(256, 5000, "cuda") == 256
+    assert chunk_size(256, 64) == CHUNKS[0][1] < 256 and chunk_size(16, 64) == 16

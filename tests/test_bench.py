@@ -11,6 +11,7 @@ from adaspan.config import ModelConfig
 from adaspan.model import SpanLM
 
 FIELDS = {"attention", "max_span", "spans", "avg_span", "batch_size", "block_size", "dtype",
+          "compile_s",
           "device", "parameters", "train_chars_per_s", "eval_chars_per_s",
           "generate_chars_per_s", "flops_per_char", "train_gflops", "eval_gflops",
           "estimated_memory_mb", "peak_memory_mb", "matmul_gflops"}

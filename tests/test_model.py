@@ -102,3 +102,19 @@ def test_bad_inputs_give_clear_errors():
         model(torch.zeros(1, 5, dtype=torch.long), cache=[])
     with pytest.raises(ValueError, match="spans"):
         model.set_spans([[1000.0] * 4] * 2)
+
+
+def test_compiled_dense_parts_equal_eager():
+    """compile_dense: the same log-probabilities and gradients, the same state dict."""
+    model = tiny("adaptive").train()
+    compiled = copy.deepcopy(model).compile_dense()
+    assert compiled.state_dict().keys() == model.state_dict().keys()
+    tokens = torch.randint(0, 32, (2, 16))
+    outputs = []
+    for m in (model, compiled):
+        log_probs, _ = m(tokens)
+        log_probs.sum().backward()
+        outputs.append((log_probs, m.layers[0].ff.fc1.weight.grad))
+    (eager, eager_grad), (fast, fast_grad) = outputs
+    torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_grad, eager_grad, atol=1e-5, rtol=1e-5)

@@ -176,12 +176,16 @@ def ramp_columns(window: int, z_min: float) -> int:
 # Queries per chunk by key window (up to the window), measured with scripts/tune_chunks.py on
 # the 2-core CPU (one head, batch 8, block 256, d_head 64; best of 32/64/128/256 for training,
 # 2026-11-23): small chunks waste fewer scores (a chunk reads window + c - 1 keys), large ones
-# make larger products.
+# make larger products. On CUDA (not measured yet: no GPU was at hand) a block is one chunk:
+# fewer, larger kernels, the wasted scores being cheap there.
 CHUNKS = ((128, 64), (1024, 128), (math.inf, 256))
 
 
-def chunk_size(block: int, window: int) -> int:
-    """Queries per chunk for a block of ``block`` queries over ``window`` keys (:data:`CHUNKS`)."""
+def chunk_size(block: int, window: int, device: str = "cpu") -> int:
+    """Queries per chunk for a block of ``block`` queries over ``window`` keys on a device of
+    type ``device`` (:data:`CHUNKS` on the CPU, the whole block on CUDA)."""
+    if device == "cuda":
+        return block
     return min(block, next(c for limit, c in CHUNKS if window <= limit))
 
 
@@ -211,7 +215,7 @@ def banded_attention(
     w = pos.shape[0]
     if M == 1:
         return _one_query_attention(q, k, v, pos, z, ramp, dropout, training)
-    c = min(M, chunk) if chunk else chunk_size(M, w)
+    c = min(M, chunk) if chunk else chunk_size(M, w, q.device.type)
     n = -(-M // c)
     if z is not None and z_min is None:
         z_min = z.detach().min().item()

@@ -6,7 +6,8 @@ protocol of the authors' benchmark script) is reported. Training carries hidden 
 (their keys are recomputed with the current weights); evaluation and generation carry keys and
 values (:class:`adaspan.cache.KeyValueCache`). ``flops_per_char`` is the paper's convention
 (multiply-adds, :func:`adaspan.analysis.flops_per_char`); the GFLOP/s figures count 2 FLOPs per
-multiply-add, and a training step as 3 forward passes.
+multiply-add, and a training step as 3 forward passes. ``dtype`` is the one the products ran
+in; ``compile_s`` the seconds of compiling and a first step with ``compile`` (else None).
 """
 
 from __future__ import annotations
@@ -76,12 +77,22 @@ def bench(
     device: torch.device | None = None,
     dtype: str = "auto",
     statistic: str = "median",
+    compile: bool = False,
 ) -> dict:
-    """Measure ``config`` (see the module docstring); returns a flat dict of figures."""
+    """Measure ``config`` (see the module docstring); returns a flat dict of figures.
+    ``compile`` compiles the dense parts (:meth:`SpanLM.compile_dense`) first; ``compile_s`` is
+    then the time of a first training and evaluation step, compilation included."""
     device = device or torch.device("cpu")
     model = build_bench_model(config, spans, device)
     chars = batch_size * block_size
     autocast = precision.autocast(dtype, device)
+    compile_s = None
+    if compile:
+        start = time.perf_counter()
+        model.compile_dense()
+        for measure in (train_seconds, eval_seconds):
+            measure(model, batch_size, block_size, 1, device, autocast, statistic)
+        compile_s = time.perf_counter() - start
     train_s = train_seconds(model, batch_size, block_size, steps, device, autocast, statistic)
     eval_s = eval_seconds(model, batch_size, block_size, steps, device, autocast, statistic)
     gen_s = generation_seconds(model, block_size, gen_chars, device)
@@ -95,6 +106,7 @@ def bench(
         "batch_size": batch_size,
         "block_size": block_size,
         "dtype": precision.resolve_dtype(dtype, device),
+        "compile_s": compile_s,
         "device": str(device),
         "parameters": model.num_parameters(),
         "train_chars_per_s": train_cps,

@@ -377,6 +377,8 @@ def _add_bench(commands) -> None:
     _add_dtype(p)
     p.add_argument("--statistic", choices=("median", "mean"), default="median",
                    help="of the timed steps (mean: the protocol of the authors' bench script)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the dense parts with torch.compile (compile_s: its time)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -390,7 +392,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     model_config, _ = resolve_config(args.preset, args.config, args.overrides)
     result = bench(model_config, args.batch_size, args.block_size, args.spans, args.steps,
-                   args.gen_chars, _device(args.device), args.dtype, args.statistic)
+                   args.gen_chars, _device(args.device), args.dtype, args.statistic,
+                   args.compile)
     if args.json:
         print(json.dumps(_rounded(result)))
     else:

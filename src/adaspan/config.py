@@ -178,6 +178,8 @@ class TrainConfig(Options):
     dtype: str = option("auto", "products in bf16 (autocast) or fp32; auto: bf16 where the "
                         "device has fast bf16 (CUDA compute 8.0+, CPUs with AVX-512 BF16 or "
                         "AMX), else fp32", choices=DTYPES)
+    compile: bool = option(False, "compile the layers' dense parts (norms, feed-forward, "
+                           "residuals) and the output with torch.compile (true | false)")
     memory_limit: float | None = option(None, "GB a run may use (default: what the device has "
                                         "free at the start)")
     eval_interval: int = option(1000, "steps between validations")
@@ -213,6 +215,7 @@ class TrainConfig(Options):
         self._require("time_budget", lambda v: v is None or (_is_number(v) and v > 0),
                       "a number of seconds > 0, or None")
         self._require("tensorboard", lambda v: isinstance(v, bool), "true or false")
+        self._require("compile", lambda v: isinstance(v, bool), "true or false")
         self._require("memory_limit", lambda v: v is None or (_is_number(v) and v > 0),
                       "a number of GB > 0, or None")
 

@@ -52,8 +52,13 @@ class Layer(nn.Module):
         self, x: Tensor, cache: Tensor | KeyValueCache, pos: Tensor | None
     ) -> tuple[Tensor, Tensor | KeyValueCache]:
         attended, cache = self.attn(x, cache, pos)
+        return self.dense(x, attended), cache
+
+    def dense(self, x: Tensor, attended: Tensor) -> Tensor:
+        """Everything after the attention: residuals, LayerNorms and feed-forward (shapes fixed
+        by the block: what :meth:`SpanLM.compile_dense` hands to ``torch.compile``)."""
         h = self.norm1(x + attended)
-        return self.norm2(h + self.ff(h)), cache
+        return self.norm2(h + self.ff(h))
 
 
 class SpanLM(nn.Module):
@@ -84,7 +89,20 @@ class SpanLM(nn.Module):
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h, layer_cache = layer(h, layer_cache, self.pos)
             new_cache.append(layer_cache)
-        return F.log_softmax(self.out(h), dim=-1), new_cache
+        return self.head(h), new_cache
+
+    def head(self, h: Tensor) -> Tensor:
+        """Log-probabilities of the next token from the last layer's states."""
+        return F.log_softmax(self.out(h), dim=-1)
+
+    def compile_dense(self) -> SpanLM:
+        """Compile the parts of static shape (each layer's :meth:`Layer.dense` and the output
+        :meth:`head`) with ``torch.compile``; the attention, whose key windows follow the
+        spans, stays eager. Weights and state dict are unchanged. Returns the model."""
+        for layer in self.layers:
+            layer.dense = torch.compile(layer.dense, dynamic=False)
+        self.head = torch.compile(self.head, dynamic=False)
+        return self
 
     def empty_cache(self, batch_size: int, keys_values: bool = False) -> Cache:
         """Cache for the start of a stream: no history (attended as zero hidden states).

@@ -214,6 +214,8 @@ def build_run(
     corpus = _load_corpus(config, dist, progress)
     available = memory_available(device, config, dist)
     model = SpanLM(model_config).to(device)
+    if config.compile:
+        model.compile_dense()
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
     resuming = resume and has_checkpoint(run_dir)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One command for a machine with a CUDA GPU: the CUDA test module, then adaspan against the
+# authors' code on the GPU (the race and reference configurations, 3 alternating rounds), then
+# one JSON line with the results. Run from the repository root, in an environment where
+# `pip install -e ".[dev]"` installed adaspan with a CUDA build of torch:
+#
+#     bash scripts/gpu_check.sh [path/to/bench_official.py]
+#
+# Figures are written to gpu_check/ (tests.txt, against_official.json).
+set -uo pipefail
+official=${1:-../shared/anchors/bench_official.py}
+out=gpu_check
+mkdir -p "$out"
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+  echo '{"error": "no CUDA device visible to torch"}'; exit 2; }
+python -m pytest -q tests/test_cuda.py -rs > "$out/tests.txt" 2>&1
+tests_rc=$?
+python scripts/against_official.py --official "$official" --configs race,reference \
+  --rounds 3 --device cuda --out "$out/against_official.json" > "$out/against_official.txt" 2>&1
+bench_rc=$?
+python - "$out" "$tests_rc" "$bench_rc" <<'PY'
+import json, pathlib, sys, torch
+out, tests_rc, bench_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+summary = (out / "tests.txt").read_text().strip().splitlines()[-1:]
+results = []
+if bench_rc == 0:
+    results = [{k: r[k] for k in ("config", "train_ratio", "eval_ratio", "adaspan_train",
+                                  "authors_train", "adaspan_eval", "authors_eval")}
+               for r in json.loads((out / "against_official.json").read_text())]
+print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "tests_passed": tests_rc == 0, "tests": summary, "against_authors": results,
+                  "against_authors_ok": bench_rc == 0}))
+sys.exit(tests_rc or bench_rc)
+PY
