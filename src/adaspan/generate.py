@@ -32,8 +32,9 @@ def stream(
 ) -> Iterator[int]:
     """Yield ``length`` tokens continuing ``prompt``, each as soon as it is sampled.
 
-    The prompt is read as one block; then each new byte is a block of one token that attends to
-    the cached keys and values, so the cost per byte follows the heads' spans. ``temperature``
+    The prompt is read as one block; then each new byte is one step of
+    :func:`adaspan.decode.decoder`, its query attending to the cached keys and values, so the
+    cost per byte follows the heads' spans. ``temperature``
     scales the logits (0 = greedy); ``top_k`` keeps only the k most likely bytes. Arguments are
     checked at the call; the model is in eval mode until the iterator is exhausted or closed.
     """
