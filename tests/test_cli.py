@@ -240,3 +240,21 @@ def test_resuming_a_finished_run_says_so_and_exits_0(tmp_path, capsys):
     ended = subprocess.run(["bash", "-c", loop], capture_output=True, text=True, timeout=300)
     assert ended.returncode == 0 and ended.stdout.startswith(f"{path} is complete at step 2")
     assert _files(path) == files
+
+
+def test_generate_dtype_bfloat16_runs_the_decoder_under_autocast(run_dir, capsys, monkeypatch):
+    from adaspan import decode
+
+    seen = []
+    original = decode.decoder
+
+    def watched(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sys.modules["adaspan.generate"], "decoder", watched)
+    for dtype in ("float32", "bfloat16"):
+        assert main(["generate", str(run_dir), "--prompt", "In", "--length", "10",
+                     "--dtype", dtype, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["chars"] == 10
+    assert seen == [False, True]

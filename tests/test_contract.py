@@ -7,6 +7,7 @@ with no edit (the toy variant of ``conftest.py`` shows it). Exactness is checked
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -168,9 +169,27 @@ def check_train_step(attention: str) -> None:
 # --- every registered variant ---------------------------------------------------------------
 
 
+def check_runs_in_its_parameters_dtype(attention: str) -> None:
+    """``model.to(dtype)`` runs in that dtype, without autocast, cache carried: float64 equals
+    float32, bfloat16 stays close (its own rounding), through both caches."""
+    model = tiny(attention)
+    x = random_tokens(2, 24)
+    with torch.no_grad():
+        expected = [model(x[:, :12])[0], model(x[:, 12:], model(x[:, :12])[1])[0]]
+    for dtype, tolerance in ((torch.float64, 1e-4), (torch.bfloat16, 0.25)):
+        low = copy.deepcopy(model).to(dtype)
+        for keys_values in (False, True):
+            with torch.no_grad():
+                first, cache = low(x[:, :12], low.empty_cache(2, keys_values))
+                second, _ = low(x[:, 12:], cache)
+            for got, want in zip((first, second), expected, strict=True):
+                assert got.dtype == dtype
+                assert (got.float() - want).abs().max() < tolerance, (dtype, keys_values)
+
+
 # the checks of every variant; the key/value cache is checked per truncation mode below
 CHECKS = [check_causal, check_blocks_equal_one_pass, check_cache_reaches_back, check_gradients,
-          check_train_step]
+          check_train_step, check_runs_in_its_parameters_dtype]
 
 
 @pytest.mark.parametrize("attention", VARIANTS)

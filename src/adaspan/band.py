@@ -231,15 +231,15 @@ def banded_attention(
     position = q @ pos.flip(0).t()  # (B, H, n, c, w)
     log_mask = None
     if width:  # eq. 2: m_z(d) exp(s) = exp(s + log m_z(d)), added where m_z < 1 only
-        distance = torch.arange(w, w - width, -1, device=q.device, dtype=z.dtype)
-        log_mask = log_soft_mask(distance, z, ramp)
+        distance = torch.arange(w, w - width, -1, device=q.device, dtype=torch.float32)
+        log_mask = log_soft_mask(distance, z, ramp)  # fp32: distances exact up to 2**24
     length = w + c - 1  # keys of a chunk's window: key j of it is column j of the scores
     k_win, v_win = (_windows(t, length, c, n) for t in (k, v))  # (B, H, n, L, dh)
     # keys gathered row-wise (a copy only for several chunks), then read transposed by the BLAS
     k_t = k_win.flatten(0, 2).transpose(-1, -2)  # (B*H*n, dh, L)
     attn = _BandSoftmax.apply(q, k_t, position, log_mask)  # eqs. 1-2
     attn = F.dropout(attn, dropout, training)
-    out = attn @ v_win  # eq. 3, (B, H, n, c, dh)
+    out = attn.to(v_win.dtype) @ v_win  # eq. 3, (B, H, n, c, dh); attn is fp32
     return out.flatten(2, 3)[:, :, :M]
 
 
@@ -260,7 +260,7 @@ def _one_query_attention(
     q = q * q.shape[-1] ** -0.5
     scores = q @ k[:, :, :w].transpose(-1, -2) + (q @ pos.t()).flip(-1)  # eq. 1
     if z is not None:
-        distance = torch.arange(w, 0, -1, device=q.device, dtype=z.dtype)
+        distance = torch.arange(w, 0, -1, device=q.device, dtype=torch.float32)
         scores = scores + log_soft_mask(distance, z[..., None], ramp)  # eq. 2
     attn = F.dropout(torch.softmax(scores, dim=-1), dropout, training)
-    return attn @ v[:, :, :w]  # eq. 3
+    return attn.to(v.dtype) @ v[:, :, :w]  # eq. 3

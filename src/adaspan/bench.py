@@ -24,6 +24,7 @@ import torch
 from . import precision
 from .analysis import flops_per_char
 from .config import ConfigError, ModelConfig
+from .decode import decoder
 from .memory import estimate_training_memory
 from .model import SpanLM
 
@@ -158,19 +159,17 @@ def eval_seconds(model, batch_size, block_size, steps, device, autocast, statist
 
 @torch.no_grad()
 def generation_seconds(model, block_size, gen_chars, device) -> float:
-    """Seconds per generated character (batch 1, the cache filled by a first block)."""
+    """Seconds per generated character at batch 1 (the cache filled by a first block), with
+    the per-token step of ``adaspan generate`` (:func:`adaspan.decode.decoder`) and greedy
+    choice of the next token."""
     model.eval()
-    vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, block_size), device=device)
+    prompt = torch.randint(0, model.config.vocab_size, (1, block_size), device=device)
     _, cache = model(prompt, model.empty_cache(1, keys_values=True))
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    model(token, cache)  # warm-up
+    step = decoder(model, cache, block_size)
+    token = int(step(0).argmax())  # warm-up
     start = time.perf_counter()
     for _ in range(gen_chars):
-        log_probs, cache = model(token, cache)
-        token = log_probs[:, -1:].argmax(-1)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        token = int(step(token).argmax())
     return (time.perf_counter() - start) / gen_chars
 
 

@@ -239,6 +239,7 @@ def _add_generate(commands) -> None:
                    help="sample among the k most likely bytes only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    _add_dtype(p)
     p.add_argument("--json", action="store_true",
                    help="no streaming: print one JSON object with the text and its speed")
 
@@ -248,11 +249,21 @@ def _generate(args: argparse.Namespace) -> int:
 
     Print the prompt, then each character as it is sampled."""
     from .checkpoint import load_model
-    from .generate import stream
     from .official import run_codec
+    from .precision import autocast
 
     codec = run_codec(args.run_dir)
-    model = load_model(args.run_dir, _device(args.device))
+    device = _device(args.device)
+    model = load_model(args.run_dir, device)
+    with autocast(args.dtype, device):  # the tokens are computed as they are read
+        _sample(args, model, codec)
+    return 0
+
+
+def _sample(args: argparse.Namespace, model, codec) -> None:
+    """Stream (or, with --json, time) the sampled text of ``_generate``."""
+    from .generate import stream
+
     typed = os.fsencode(args.prompt)  # the bytes typed, UTF-8 or not
     shown = typed.decode("utf-8", errors="replace")
     prompt = codec.encode(typed or b"\n", "prompt")  # empty: a line start, as stream() reads it
@@ -268,7 +279,6 @@ def _generate(args: argparse.Namespace) -> int:
                           "chars_per_s": round(len(text) / seconds, 3) if seconds else None}))
     else:
         _write_stream(shown, chars)
-    return 0
 
 
 def _write_stream(prompt: str, chars) -> None:
