@@ -80,13 +80,18 @@ def median_of(runs: list[dict]) -> dict:
     return {**medians, "rounds": len(runs)}
 
 
+def _peak_mb(result: dict) -> float:
+    """The process's peak memory (``peak_memory_mb`` in the JSON of adaspan 0.5.0 and before)."""
+    return result.get("process_peak_mb", result.get("peak_memory_mb"))
+
+
 def table(results: dict) -> str:
     rows = ["| configuration | train chars/s | eval chars/s | generate chars/s | peak RSS MB | "
             "model GFLOP/s (train) |",
             "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         rows.append(f"| {name} | {r['train_chars_per_s']:,.0f} | {r['eval_chars_per_s']:,.0f} | "
-                    f"{r['generate_chars_per_s']:,.1f} | {r['peak_memory_mb']:,.0f} | "
+                    f"{r['generate_chars_per_s']:,.1f} | {_peak_mb(r):,.0f} | "
                     f"{r['train_gflops']:.1f} |")
     rates = [r["matmul_gflops"] for r in results.values()]
     rows.append(f"\nfp32 matmul rate measured alongside (2048² product): {min(rates):.0f}–"
@@ -99,7 +104,7 @@ def ratios(results: dict) -> str:
     lines = ["| comparison | train | eval | generate | peak RSS |", "|---|---:|---:|---:|---:|"]
     for name, a, b in RATIOS:
         speed = [results[a][key] / results[b][key] for key in RATES]
-        memory = results[a]["peak_memory_mb"] / results[b]["peak_memory_mb"]
+        memory = _peak_mb(results[a]) / _peak_mb(results[b])
         lines.append(f"| {name} | " + " | ".join(f"{x:.2f}×" for x in speed) +
                      f" | {memory:.2f}× |")
     return "\n".join(lines)

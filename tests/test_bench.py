@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from adaspan.analysis import flops_per_char
 from adaspan.bench import build_bench_model
@@ -12,9 +13,9 @@ from adaspan.model import SpanLM
 
 FIELDS = {"attention", "max_span", "spans", "avg_span", "batch_size", "block_size", "dtype",
           "compile_s",
-          "device", "parameters", "train_chars_per_s", "eval_chars_per_s",
+          "device", "threads", "parameters", "train_chars_per_s", "eval_chars_per_s",
           "generate_chars_per_s", "flops_per_char", "train_gflops", "eval_gflops",
-          "estimated_memory_mb", "peak_memory_mb", "matmul_gflops"}
+          "estimated_step_peak_mb", "process_peak_mb", "matmul_gflops"}
 TINY = ["n_layers=1", "d_model=16", "n_heads=4", "d_inner=32", "max_span=256", "ramp=8"]
 
 
@@ -25,8 +26,38 @@ def test_bench_json_has_the_documented_fields(capsys):
     assert set(result) == FIELDS
     assert result["avg_span"] == pytest.approx((8 + 16 + 32 + 256) / 4)
     assert all(result[k] > 0 for k in ("train_chars_per_s", "eval_chars_per_s",
-                                       "generate_chars_per_s", "peak_memory_mb",
-                                       "estimated_memory_mb"))
+                                       "generate_chars_per_s", "process_peak_mb",
+                                       "estimated_step_peak_mb"))
+    assert result["threads"] == torch.get_num_threads()
+
+
+def test_bench_takes_the_block_size_of_the_preset_and_labels_its_memory_figures(capsys):
+    """--preset demo (64-character blocks) without --block-size: its blocks; printed as text,
+    each memory figure says what it is."""
+    quick = [*TINY, "--batch-size", "2", "--steps", "1", "--gen-chars", "2"]
+    assert main(["bench", "--preset", "demo", *quick]) == 0
+    lines = dict(line.strip().split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert lines["block_size"] == "64"
+    assert "estimated" in lines["estimated_step_peak_mb"]
+    assert "measured" in lines["process_peak_mb"] and "torch included" in lines["process_peak_mb"]
+    assert main(["bench", "--preset", "demo", *quick, "--block-size", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["block_size"] == 16
+
+
+def test_bench_threads_option(capsys):
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench", *TINY, "--batch-size", "2", "--block-size", "16", "--steps", "1",
+                     "--gen-chars", "2", "--threads", "2", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["threads"] == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_out_of_range_spans_are_named_without_a_tensor():
+    model = SpanLM(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_inner=32, max_span=64))
+    with pytest.raises(ValueError, match=r"^spans must lie in \[1, max_span=64\], got 32, 9999$"):
+        model.set_spans([32.0, 9999.0])
 
 
 def test_flops_follow_the_spans_in_the_papers_convention():

@@ -3,6 +3,8 @@ as JSON), inspect; errors: the user's on one line, bugs reported as such."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import re
 import subprocess
@@ -164,14 +166,115 @@ def test_resume_continues_to_more_steps(tmp_path, capsys):
         (["train", "--preset", "demo", "colour=red"], "colour"),
         (["evaluate", "/nonexistent/run"], "/nonexistent/run"),
         (["train", "--resume", "/tmp", "--preset", "demo"], "--resume"),
-        (["bench", *TINY[:5], "--spans", "32,x"], "spans '32,x'"),
-        (["bench", *TINY[:5], "--spans", "100"], "max_span=64"),
+        (["bench", *TINY[:5], "--spans", "32,x"],
+         "--spans 32,x: 'x' is not a span in [1, max_span=64]"),
+        (["bench", *TINY[:5], "--spans", "32,9999"],
+         "--spans 32,9999: '9999' is not a span in [1, max_span=64]"),
+        (["train", "--preset", "demo", "steps=0"], "error: steps must be a positive integer"),
+        (["train", "--preset", "demo", "--steps", "0"], "error: steps must be a positive"),
+        (["train", "--preset", "demo", "train.steps=abc"], "error: train.steps must be an"),
+        (["train", "--preset", "demo", "model.d_model=-1"], "error: d_model must be a positive"),
     ],
 )
 def test_user_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("adaspan: error:") and err.count("\n") == 1 and message in err
+    assert "Config." not in err and "tensor(" not in err and "could not convert" not in err
+
+
+def test_usage_errors_show_the_usage_then_the_command_as_the_readme_says(capsys):
+    """argparse's own errors: the command's usage, then `adaspan COMMAND: error: ...`."""
+    for argv, says in ((["generate", "--length", "many", "RUN"], "argument --length"),
+                       (["generate", "RUN", "--colour", "red"], "unrecognized arguments"),
+                       (["bench", "--spans"], "argument --spans: expected one argument")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        lines = capsys.readouterr().err.splitlines()
+        assert stop.value.code == 2 and lines[0].startswith(f"usage: adaspan {argv[0]}")
+        assert lines[-1].startswith(f"adaspan {argv[0]}: error: {says}")
+    readme = squeezed((Path(__file__).parents[1] / "README.md").read_text())
+    assert squeezed("shows the command's usage, then `adaspan COMMAND: error: ...`") in readme
+
+
+@pytest.mark.parametrize("where", ["before", "after", "last"])
+def test_debug_is_accepted_anywhere_on_the_line(where, run_dir):
+    argv = ["evaluate", str(run_dir), "--device", "foo"]
+    at = {"before": 0, "after": 1, "last": len(argv)}[where]
+    with pytest.raises(ValueError, match="device must be"):  # raised, not one line
+        main([*argv[:at], "--debug", *argv[at:]])
+
+
+def _option_helps(parser) -> dict[str, str]:
+    """Each option of ``parser`` with a default: its --help text (joined lines)."""
+    lines = parser.format_help().splitlines()
+    helps = {}
+    for action in parser._actions:
+        no_default = (None, False, argparse.SUPPRESS)
+        if not action.option_strings or any(action.default is v for v in no_default):
+            continue
+        start = next(i for i, line in enumerate(lines)
+                     if line.strip().startswith(action.option_strings[0]))
+        end = next((i for i in range(start + 1, len(lines))
+                    if lines[i].strip().startswith("-")), len(lines))
+        helps[action.option_strings[-1]] = " ".join(" ".join(lines[start:end]).split())
+    return helps
+
+
+def test_every_help_gives_the_defaults_and_generate_says_what_its_seed_does():
+    from adaspan.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == argparse.SUPPRESS)
+    checked = 0
+    for name, parser in commands.choices.items():
+        for option, text in _option_helps(parser).items():
+            assert "default" in text, (name, option, text)
+            checked += 1
+    assert checked > 20
+    seed = _option_helps(commands.choices["generate"])["--seed"]
+    assert "same text at every call" in seed and "(default: 0)" in seed
+
+
+def test_inspect_rounds_for_reading(run_dir, capsys):
+    assert main(["inspect", str(run_dir)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("last record: step=4, train_bpc=")
+    assert re.search(r"train_bpc=\d\.\d{4},", last) and re.search(r"avg_span=\d+\.\d,", last)
+    assert re.search(r"layer_avg_span=\[\d+\.\d\]", last)
+    assert not re.search(r"\.\d{6}", last), last  # other numbers: 4 significant digits
+    assert main(["inspect", str(run_dir), "--json"]) == 0
+    spans = json.loads(capsys.readouterr().out)["spans"]
+    assert all(round(span, 6) == span for layer in spans for span in layer)
+
+
+@pytest.fixture
+def threads_restored():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("command", ["evaluate", "generate"])
+def test_threads_option_sets_torchs_threads(command, run_dir, threads_restored, capsys):
+    torch.set_num_threads(1)
+    options = {"evaluate": ["--max-chars", "64", "--no-progress"], "generate": ["--length", "2"]}
+    assert main([command, str(run_dir), "--threads", "2", *options[command]]) == 0
+    assert torch.get_num_threads() == 2
+    assert main([command, str(run_dir), "--threads", "0", *options[command]]) == 0
+    assert torch.get_num_threads() == 2  # 0: left as it is
+
+
+def test_threads_of_train_and_compare_go_to_the_train_config(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(importlib.import_module("adaspan.train"), "train",
+                        lambda model, config, *a, **k: seen.append(config.threads) or {})
+    monkeypatch.setattr(importlib.import_module("adaspan.compare"), "compare",
+                        lambda methods, model, config, *a, **k: seen.append(config.threads) or [])
+    assert main(["train", "--preset", "demo", "--threads", "1", "--run-dir", str(tmp_path)]) == 0
+    assert main(["train", "--preset", "demo", "threads=2", "--run-dir", str(tmp_path)]) == 0
+    assert main(["compare", "--steps", "1", "--threads", "3", "--out", str(tmp_path),
+                 "--json"]) == 0
+    assert seen == [1, 2, 3]
 
 
 def test_bad_generation_options_are_user_errors(run_dir, capsys):

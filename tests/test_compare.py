@@ -171,6 +171,28 @@ def test_finished_runs_are_reused(compared, tmp_path, monkeypatch):
     assert reused == [{k: v for k, v in row.items() if k != "test_bpc"} for row in rows]
 
 
+def test_rerun_with_fewer_methods_keeps_the_rows_of_the_finished_ones(compared, tmp_path,
+                                                                    monkeypatch):
+    out, rows = compared
+    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.compare.evaluate", _no_training)  # their bpc is read back
+    assert _compare(tmp_path, ["xl"]) == [rows[2], rows[0], rows[1]]  # then registry order
+    table = [line for line in (tmp_path / MARKDOWN_FILE).read_text().splitlines()
+             if line.startswith("|")]
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["xl", "fixed", "adaptive"]
+    with (tmp_path / CSV_FILE).open(newline="") as file:
+        assert [row["method"] for row in csv.DictReader(file)] == ["xl", "fixed", "adaptive"]
+
+
+def test_finished_runs_are_reused_with_other_threads(compared, tmp_path, monkeypatch):
+    """threads change the speed, not what a run learns."""
+    out, rows = compared
+    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    assert _compare(tmp_path, extra=["threads=1"]) == rows
+
+
 def test_run_with_other_settings_is_not_reused(compared, tmp_path, monkeypatch):
     out, _ = compared
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
@@ -193,9 +215,11 @@ def test_cli_minutes_budget_prints_markdown(tmp_path, capsys):
     assert main(["compare", "--methods", "vanilla", "--minutes", "1e-6", "--out",
                  str(tmp_path), "--eval-chars", str(EVAL_CHARS), "--no-progress", *TINY]) == 0
     out = capsys.readouterr().out
-    assert "6e-05 s of training" in out
+    assert out.splitlines()[0] == (f"comparing vanilla in {tmp_path}: each trains for 6e-05 s "
+                                   "of training (set it with --steps N or --minutes M)")
     row = next(line for line in out.splitlines() if line.startswith("| vanilla"))
     assert row.split("|")[7].strip() == "1"  # the time budget, not steps, ended training
+    assert row.split("|")[3].strip() == "15"  # S = 64, but it sees at most its block of 16
 
 
 def test_cli_unknown_method_is_one_line_error(tmp_path, capsys):
@@ -213,4 +237,6 @@ def test_runs_of_a_relative_corpus_path_are_reused(tmp_path, monkeypatch, corpus
     again = _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"],
                      evaluate_test=False, log=messages.append)
     assert again == first  # the training summary is read back: same steps and throughput
-    assert messages[0].endswith("finished run with the same configuration, reused")
+    assert messages[0] == (f"comparing fixed in {tmp_path / 'out'}: each trains for 2 steps "
+                           "(set it with --steps N or --minutes M)")  # the preset's, stated
+    assert messages[1].endswith("finished run with the same configuration, reused")

@@ -11,6 +11,7 @@ from helpers import span_variants, tiny
 from reference import run_blocks
 
 from adaspan import ModelConfig, SpanLM
+from adaspan.analysis import effective_spans
 from adaspan.registry import ATTENTIONS
 
 SPAN_VARIANTS = span_variants()
@@ -118,3 +119,50 @@ def test_compiled_dense_parts_equal_eager():
     (eager, eager_grad), (fast, fast_grad) = outputs
     torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast_grad, eager_grad, atol=1e-5, rtol=1e-5)
+
+
+
+def _compiled_and_eager(kind: str, backward: bool = False, **compile_options) -> list[tuple]:
+    """Log-probabilities (and, with ``backward``, every parameter's gradient) of a one-layer
+    :func:`tiny` model under ``torch.compile(model, **compile_options)`` and eagerly."""
+    torch._dynamo.reset()  # a fresh compilation for each model, far from the recompile limit
+    model = tiny(kind, n_layers=1)
+    tokens = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for run in (torch.compile(model, **compile_options), model):
+        model.zero_grad()
+        log_probs, _ = run(tokens)
+        grads = {}
+        if backward:
+            log_probs[..., 0].sum().backward()
+            grads = {name: p.grad for name, p in model.named_parameters()}
+        results.append((log_probs.detach(), grads))
+    return results
+
+
+@pytest.mark.parametrize("kind", list(ATTENTIONS))
+def test_torch_compile_of_the_model_equals_eager(kind):
+    """The band kernels run eagerly inside the compiled model (graph breaks). The aot_eager
+    backend gets the graphs of the default one without its slow C++ code generation (traced,
+    the band kernels gave other outputs there)."""
+    compiled, eager = _compiled_and_eager(kind, backend="aot_eager")
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_compile_with_the_default_backend_gives_the_eager_gradients():
+    (compiled, compiled_grads), (eager, eager_grads) = _compiled_and_eager("adaptive", True)
+    assert eager_grads["layers.0.attn.span.z_frac"].abs().sum() > 0  # the spans learn
+    torch.testing.assert_close((compiled, compiled_grads), (eager, eager_grads), atol=1e-5,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "block_size", "spans"),
+    [("adaptive", 16, [[10.0, 20.0, 40.0, 64.0], [8.0, 9.0, 33.0, 17.5]]),  # their spans
+     ("xl", 16, [[64.0] * 4] * 2),
+     ("vanilla", 16, [[15.0] * 4] * 2),  # back to the first token of its block
+     ("vanilla", 512, [[64.0] * 4] * 2),
+     ("factorized", 16, [[15.0, 64.0, 15.0, 64.0]] * 2)],  # A(1) heads: their stride - 1
+)
+def test_effective_spans_are_as_far_as_each_head_reaches(kind, block_size, spans):
+    assert effective_spans(tiny(kind), block_size) == spans

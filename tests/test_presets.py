@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from adaspan import ModelConfig, TrainConfig
-from adaspan.config import ConfigError
+from adaspan.config import SECTIONS, ConfigError, Options
 from adaspan.model import parameter_count
 from adaspan.presets import PRESETS, resolve_config
 
@@ -108,8 +108,9 @@ def test_override_values_are_parsed_by_field_type(text, kind, expected):
         ("train.lrr=0.1", r"unknown train option 'lrr' \(did you mean lr\?\)"),
         ("d_modle=64", r"unknown option 'd_modle' \(did you mean d_model\b"),
         ("modle.d_model=64", r"unknown section 'modle'.*did you mean model"),
-        ("steps=1.5", r"train\.steps must be an integer"),
-        ("tensorboard=maybe", r"train\.tensorboard must be true or false"),
+        ("steps=1.5", r"^steps must be an integer, got '1.5'$"),  # named as written
+        ("train.steps=1.5", r"^train\.steps must be an integer"),
+        ("tensorboard=maybe", r"^tensorboard must be true or false"),
         ("lr", r"key=value"),
     ],
 )
@@ -132,3 +133,33 @@ def test_bad_config_files_and_presets(tmp_path):
     for unreadable in (path, tmp_path / "missing.toml"):
         with pytest.raises(ConfigError, match=rf"{unreadable.name}: cannot read it"):
             resolve_config(None, unreadable)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["steps=0"], "steps must be a positive integer, got 0"),
+        (["train.steps=0"], "steps must be a positive integer, got 0"),
+        (["d_model=-8"], "d_model must be a positive integer, got -8"),
+        (["threads=-1"], "threads must be an integer >= 0"),
+    ],
+)
+def test_invalid_values_name_the_option_as_the_user_writes_it(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        resolve_config("demo", None, overrides)
+    assert str(error.value).startswith(message)  # not TrainConfig.steps
+
+
+def test_an_option_name_of_two_sections_is_given_with_its_section(monkeypatch):
+    @dataclasses.dataclass
+    class Other(Options):
+        section = "other"
+        steps: int = 1
+
+    assert TrainConfig.option_name("steps") == "steps"
+    monkeypatch.setitem(SECTIONS, "other", Other)
+    assert TrainConfig.option_name("steps") == "train.steps"
+    with pytest.raises(ConfigError, match=r"^train\.steps must be a positive integer"):
+        TrainConfig(steps=0)
+    with pytest.raises(ConfigError, match=r"ambiguous: write train\.steps or other\.steps"):
+        resolve_config(None, None, ["steps=5"])

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -366,6 +367,52 @@ def test_an_unwritable_run_directory_is_one_line(tmp_path, corpus_file, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.startswith("adaspan: error: Not a directory")
+
+
+def _read_only(folder: Path, monkeypatch) -> None:
+    """Make ``folder`` refuse new files: by its mode, or (as root, whom modes do not stop) by
+    refusing the creation of files in it as a read-only file system would."""
+    folder.chmod(0o555)
+    if os.geteuid() != 0:
+        return
+    touch = Path.touch
+
+    def refused(path: Path, *args, **kwargs) -> None:
+        if path.parent == folder:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        touch(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "touch", refused)
+
+
+def test_a_read_only_run_directory_is_refused_before_training(finished_run, tmp_path,
+                                                              corpus_file, monkeypatch, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run / "run", run)
+    files = sorted(path.name for path in run.iterdir())
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for folder in (run, fresh):
+        _read_only(folder, monkeypatch)
+    try:
+        assert main(["train", "--resume", str(run), "steps=6", "--no-progress"]) == 2
+        assert capsys.readouterr().err == (
+            f"adaspan: error: run directory {run} is not writable "
+            f"({os.strerror(errno.EROFS if os.geteuid() == 0 else errno.EACCES)}); "
+            "choose another directory or make it writable\n")
+        assert sorted(path.name for path in run.iterdir()) == files  # nothing written
+        for target, says in ((fresh, f"run directory {fresh} is not writable"),
+                             (fresh / "new" / "run", f"run directory {fresh / 'new' / 'run'} "
+                              f"cannot be created: {fresh} is not writable")):
+            argv = ["train", "--run-dir", str(target), "--no-progress",
+                    *_overrides(_options(corpus_file, steps=1))]
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"adaspan: error: {says}") and err.count("\n") == 1
+        assert list(fresh.iterdir()) == []
+    finally:
+        run.chmod(0o755)
+        fresh.chmod(0o755)
 
 
 def test_missing_matplotlib_is_one_line(finished_run, tmp_path, monkeypatch, capsys):

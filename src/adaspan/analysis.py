@@ -21,6 +21,13 @@ def span_summary(spans: list[list[float]]) -> dict:
     }
 
 
+def effective_spans(model, block_size: int) -> list[list[float]]:
+    """Span of every head per layer as the farthest distance it attends to with blocks of
+    ``block_size`` (:meth:`adaspan.attention.Attention.reach`): ``model.spans()`` where the
+    heads reach their span, less where they cannot (``vanilla``: its block)."""
+    return [layer.attn.reach(block_size) for layer in model.layers]
+
+
 def flops_per_char(model, block_size: int = 512) -> float:
     """FLOPs of one forward step per character in the paper's convention (its Tables 1-2 and
     Figure 3): one per multiply-add, each head's attention over the keys it uses.

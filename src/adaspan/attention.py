@@ -40,10 +40,15 @@ class Attention(nn.Module):
     d_model: int
     d_head: int
 
+    def reach(self, block_size: int) -> list[float]:
+        """Effective span of each head with blocks of ``block_size``: the farthest distance
+        it attends to (here: its span, ``min(S, z + R)``)."""
+        return self.span.spans().tolist()
+
     def keys_per_query(self, block_size: int) -> list[float]:
         """Keys each head attends to per query, on average over a block of ``block_size``
-        (here: its span, ``min(S, z + R)``)."""
-        return self.span.spans().tolist()
+        (here: its reach)."""
+        return self.reach(block_size)
 
     def flops_per_char(self, block_size: int) -> float:
         """Multiply-adds per character (the paper's FLOPS convention, Tables 1-2): the four

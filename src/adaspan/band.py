@@ -10,12 +10,18 @@ so the cost is about ``M (w + c) d_head`` rather than ``M (w + M) d_head``:
 - :data:`CHUNKS` and :func:`chunk_size`: queries per chunk by key window;
 - :func:`skew`: the distance layout to key layout shift, used by the baselines.
 
+``torch.compile`` runs both public kernels eagerly (graph breaks) and compiles what is around
+them.
+
 Used by :mod:`adaspan.attention` (span attention) and :mod:`adaspan.baselines`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +30,27 @@ from torch import Tensor
 from .span import soft_mask
 
 
+def _eager(kernel: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``kernel`` excluded from ``torch.compile``'s tracing: inside a compiled model it runs
+    eagerly (a graph break), since the band kernels write in place through strided views,
+    which the compiler mistranslates. Eager calls pay one flag check, and importing this module
+    does not import the compiler (``torch._dynamo``) except on torch < 2.3."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if is_compiling is None:  # torch < 2.3: excluded now, at the price of that import
+        from torch import _dynamo
+
+        return _dynamo.disable(kernel)
+
+    @functools.wraps(kernel)
+    def run(*args: Any, **kwargs: Any) -> Tensor:
+        if is_compiling():
+            return torch.compiler.disable(kernel)(*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    return run
+
+
+@_eager
 def skew(x: Tensor, fill: float = 0.0) -> Tensor:
     """Shift row i of ``x[..., c, w]`` right by i: ``out[..., i, j] = x[..., i, j - i]``.
 
@@ -189,6 +216,7 @@ def chunk_size(block: int, window: int, device: str = "cpu") -> int:
     return min(block, next(c for limit, c in CHUNKS if window <= limit))
 
 
+@_eager
 def banded_attention(
     q: Tensor,
     k: Tensor,

@@ -75,6 +75,10 @@ class VanillaAttention(SpanAttention):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, FixedSpan(config.n_heads, config.max_span, config.ramp))
 
+    def reach(self, block_size: int) -> list[float]:
+        """The last token of a block sees back to its first: min(S, block_size - 1)."""
+        return [float(min(self.max_span, block_size - 1))] * self.n_heads
+
     def keys_per_query(self, block_size: int) -> list[float]:
         """Token t of a block sees min(t, S) keys."""
         keys = sum(min(t, self.max_span) for t in range(block_size)) / block_size
@@ -229,6 +233,10 @@ class FactorizedAttention(Attention):
         y = self.o(out.transpose(1, 2).reshape(B, M, D))
         drop = self.stride * max(0, (C + M - self.max_span) // self.stride)  # whole strides
         return y, states[:, drop:].detach()
+
+    def reach(self, block_size: int) -> list[float]:
+        """A(1) heads: back to the start of their stride block, l - 1; A(2) heads: S."""
+        return [float(self.max_span if h % 2 else self.stride - 1) for h in range(self.n_heads)]
 
     def keys_per_query(self, block_size: int) -> list[float]:
         """A(1) heads: (l + 1) / 2 keys on average; A(2) heads: c per stride of the S keys."""

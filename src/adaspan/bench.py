@@ -7,7 +7,12 @@ protocol of the authors' benchmark script) is reported. Training carries hidden 
 values (:class:`adaspan.cache.KeyValueCache`). ``flops_per_char`` is the paper's convention
 (multiply-adds, :func:`adaspan.analysis.flops_per_char`); the GFLOP/s figures count 2 FLOPs per
 multiply-add, and a training step as 3 forward passes. ``dtype`` is the one the products ran
-in; ``compile_s`` the seconds of compiling and a first step with ``compile`` (else None).
+in; ``compile_s`` the seconds of compiling and a first step with ``compile`` (else None);
+``threads`` the CPU threads of torch's operators (``adaspan bench --threads``).
+Memory (:data:`MEMORY_FIELDS`): ``estimated_step_peak_mb`` is the peak of one training step as
+estimated before training (what ``adaspan train`` checks against the memory available);
+``process_peak_mb`` is measured: the peak resident memory of this process on CPU (torch itself
+included), the peak memory torch allocated on CUDA.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ from .config import ConfigError, ModelConfig
 from .decode import decoder
 from .memory import estimate_training_memory
 from .model import SpanLM
+
+MEMORY_FIELDS = {  # what each memory figure is, shown next to it by `adaspan bench`
+    "estimated_step_peak_mb": "one training step, estimated as train does before it starts",
+    "process_peak_mb": "measured peak: this process's resident memory, torch included; on "
+                       "CUDA, the memory torch allocated",
+}
 
 
 def matmul_gflops(size: int = 2048, repeats: int = 5, device: torch.device | None = None) -> float:
@@ -60,12 +71,25 @@ def build_bench_model(config: ModelConfig, spans: str | None, device: torch.devi
     torch.manual_seed(0)
     model = SpanLM(config).to(device)
     if spans not in (None, "fixed"):
+        values = [_span(text, config.max_span, spans) for text in spans.split(",")]
         try:
-            values = [float(s) for s in spans.split(",")]
             model.set_spans([values[h % len(values)] for h in range(config.n_heads)])
-        except ValueError as exc:  # not numbers, out of [1, S], or spans that are not learned
-            raise ConfigError(f"spans {spans!r}: {exc}") from exc
+        except ValueError as exc:  # spans that are not learned
+            raise ConfigError(f"--spans {spans}: {exc}") from exc
     return model
+
+
+def _span(text: str, max_span: int, spans: str) -> float:
+    """One value of ``spans``: a number of tokens in [1, S]; ConfigError naming it otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1 <= value <= max_span:
+        raise ConfigError(f"--spans {spans}: {text.strip()!r} is not a span in [1, "
+                          f"max_span={max_span}]; give 'fixed' or numbers in that range "
+                          "separated by commas")
+    return value
 
 
 def bench(
@@ -109,6 +133,7 @@ def bench(
         "dtype": precision.resolve_dtype(dtype, device),
         "compile_s": compile_s,
         "device": str(device),
+        "threads": torch.get_num_threads(),  # of torch's CPU operators
         "parameters": model.num_parameters(),
         "train_chars_per_s": train_cps,
         "eval_chars_per_s": eval_cps,
@@ -116,9 +141,9 @@ def bench(
         "flops_per_char": flops,
         "train_gflops": 2 * 3 * flops * train_cps / 1e9,  # 2 per multiply-add; fwd + bwd = 3x
         "eval_gflops": 2 * flops * eval_cps / 1e9,
-        "estimated_memory_mb": estimate_training_memory(
+        "estimated_step_peak_mb": estimate_training_memory(
             model, "adagrad", batch_size, block_size).total / 2**20,  # what train checks
-        "peak_memory_mb": _peak_memory_mb(device),
+        "process_peak_mb": _peak_memory_mb(device),
         "matmul_gflops": matmul_gflops(device=device),
     }
 

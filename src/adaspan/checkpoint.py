@@ -27,6 +27,7 @@ state that counts the new ones is in place.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -201,12 +202,14 @@ def new_run_dir(name: str) -> Path:
 def prepare_run_dir(
     run_dir: Path, model_config: ModelConfig, config: TrainConfig, resume: bool
 ) -> None:
-    """Refuse to overwrite a run, or to resume one that is missing or was set up differently
-    (another model, or another value of an option that must stay fixed on resume)."""
+    """Refuse to overwrite a run, to resume one that is missing or was set up differently
+    (another model, or another value of an option that must stay fixed on resume), or a run
+    directory where no file can be written."""
     if not resume:
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise RunDirError(f"run directory {run_dir} already exists and is not empty: pass "
                               "--resume to continue that run, or choose another directory")
+        _check_writable(run_dir)
         return
     if not (run_dir / CONFIG_FILE).is_file():
         raise RunDirError(f"nothing to resume in {run_dir}: it is not a run directory (no "
@@ -221,6 +224,28 @@ def prepare_run_dir(
     if changed:
         raise RunDirError(f"cannot resume {run_dir} with different settings: "
                           f"{'; '.join(changed)}")
+    _check_writable(run_dir)
+
+
+def _check_writable(run_dir: Path) -> None:
+    """Create and remove a file in ``run_dir`` (or, for one not made yet, in the folder it
+    will be made in): RunDirError if that is not permitted, before training starts."""
+    folder = run_dir
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return  # a file in the way: making the directory says so
+    probe = folder / f".write-test.{uuid.uuid4().hex}{TEMP_SUFFIX}"
+    try:
+        probe.touch(exist_ok=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        what = (f"is not writable ({exc.strerror})" if folder == run_dir else
+                f"cannot be created: {folder} is not writable ({exc.strerror})")
+        raise RunDirError(f"run directory {run_dir} {what}; choose another directory or make "
+                          "it writable") from None
+    probe.unlink(missing_ok=True)
 
 
 def _same_option(name: str, saved: object, value: object) -> bool:

@@ -3,7 +3,9 @@ presets, demo, compare, convert-official.
 
 A failure the user can act on (a :class:`~adaspan.errors.UserError`, an OSError, a
 MemoryError) ends with one line and exit status 2; any other exception is a bug in adaspan,
-reported on two lines with exit status 1. ``--debug`` shows the traceback of either."""
+reported on two lines with exit status 1. ``--debug`` (anywhere on the line) shows the
+traceback of either. A usage error (an unknown option, a bad value of a typed option) is
+argparse's: the command's usage, then ``adaspan COMMAND: error: ...``, exit status 2."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     overrides = [e for e in extra if "=" in e and not e.startswith("-")]
     if len(overrides) != len(extra) or (overrides and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if overrides:  # KEY=VALUE given after options
         args.overrides = list(args.overrides) + overrides
     if not hasattr(args, "run"):
@@ -82,14 +84,29 @@ def _one_line(err: Exception) -> str:
     return ": ".join(filter(None, (type(err).__name__, message)))
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help that ends with the option's default, where it has one that its help does not
+    already give (not for on/off flags, nor options whose default is to leave them out)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        no_default = any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        gives_default = "(default" in text or "[default" in text
+        if action.option_strings and not no_default and not gives_default:
+            text += " (default: %(default)s)"
+        return text
+
+
+DEBUG_HELP = "show the traceback of an error, not only its message"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="adaspan",
+        prog="adaspan", formatter_class=_HelpFormatter,
         description="Character-level language models whose attention heads learn their span.",
     )
     parser.add_argument("--version", action="version", version=f"adaspan {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of an error, not only its message")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     commands = parser.add_subparsers(metavar="COMMAND")
     for add in (_add_train, _add_evaluate, _add_generate, _add_inspect, _add_report, _add_bench,
                 _add_download, _add_presets, _add_demo, _add_compare, _add_convert_official):
@@ -102,8 +119,12 @@ def _command(commands, name: str, run, run_dir: bool = False) -> argparse.Argume
     command's help (first paragraph) and description; ``run_dir``: its first argument is a run
     directory."""
     doc = inspect.getdoc(run)
-    parser = commands.add_parser(name, help=doc.split("\n\n")[0], description=doc)
-    parser.set_defaults(run=run)
+    parser = commands.add_parser(name, help=doc.split("\n\n")[0], description=doc,
+                                 formatter_class=_HelpFormatter)
+    parser.set_defaults(run=run, parser=parser)  # the parser: its usage for a usage error
+    # also after the command; SUPPRESS: not given here keeps the value of `adaspan --debug`
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=DEBUG_HELP)
     if run_dir:
         parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     return parser
@@ -137,8 +158,14 @@ def _add_train(commands) -> None:
 
 
 def _config_overrides(args: argparse.Namespace) -> list[str]:
-    flags = [f"{key}={value}" for key, value in vars(args).items()
-             if "." in key and value is not None]
+    """The options given as flags (``--steps 5``: ``steps=5``), then the KEY=VALUE ones."""
+    from .config import SECTIONS
+
+    flags = []
+    for key, value in vars(args).items():
+        section, dot, name = key.partition(".")
+        if dot and value is not None:
+            flags.append(f"{SECTIONS[section].option_name(name)}={value}")
     return flags + list(args.overrides)
 
 
@@ -182,20 +209,22 @@ def _add_evaluate(commands) -> None:
     p.add_argument("--data", help="corpus (default: the one the run was trained on); for a run "
                    "made by convert-official, a directory in the authors' format")
     p.add_argument("--data-dir", help="cache directory for enwik8/text8")
-    p.add_argument("--split", choices=("train", "valid", "test"), default="valid")
+    p.add_argument("--split", choices=("train", "valid", "test"), default="valid",
+                   help="the part of the corpus to score")
     p.add_argument("--batch-size", type=_positive_int, default=8,
                    help="parallel streams (paper: 8)")
     p.add_argument("--block-size", type=_positive_int,
                    help="characters per block (default: the run's)")
     p.add_argument("--max-chars", type=_positive_int,
                    help="score only the first N characters of the split (a contiguous prefix)")
-    p.add_argument("--device", default="auto")
+    _add_device(p)
     _add_dtype(p)
+    _add_threads(p)
     p.add_argument("--token-logprobs", type=Path, metavar="FILE.npy",
                    help="save the natural-log probability of every scored token (float32, "
                    "stream after stream: text order with --batch-size 1)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -204,6 +233,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from .evaluate import evaluate
     from .official import run_split
 
+    _use_threads(args)
     tokens, name, unit = run_split(args.run_dir, args.split, args.data, args.data_dir,
                                    progress=not args.no_progress)
     block_size = args.block_size or read_config(args.run_dir)["train"]["block_size"]
@@ -224,7 +254,28 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _add_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="products in bf16 (autocast) or fp32; auto: bf16 where the device has "
-                   "fast bf16, else fp32 (default: auto)")
+                   "fast bf16, else fp32")
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help=_train_option_help("device"))
+
+
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_count, metavar="N", help=_train_option_help("threads"))
+
+
+def _train_option_help(name: str) -> str:
+    """The help of the train option ``name``, for a command's flag of the same meaning."""
+    from .config import TrainConfig
+
+    return next(item for item in fields(TrainConfig) if item.name == name).metadata["help"]
+
+
+def _use_threads(args: argparse.Namespace) -> None:
+    from .distributed import use_threads
+
+    use_threads(args.threads)
 
 
 # ------------------------------------------------------------------------------------- generate
@@ -232,14 +283,19 @@ def _add_dtype(p: argparse.ArgumentParser) -> None:
 
 def _add_generate(commands) -> None:
     p = _command(commands, "generate", _generate, run_dir=True)
-    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--prompt", default="", help="text to continue (default: none, the "
+                   "start of a line)")
     p.add_argument("--length", type=int, default=500, help="bytes to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="divides the log-probabilities before sampling; 0 = greedy")
     p.add_argument("--top-k", type=_positive_int,
-                   help="sample among the k most likely bytes only")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
+                   help="sample among the k most likely bytes only (default: among all)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampling: a seed gives the same text at every call (the "
+                   "default one too); pass another seed for another sample")
+    _add_device(p)
     _add_dtype(p)
+    _add_threads(p)
     p.add_argument("--json", action="store_true",
                    help="no streaming: print one JSON object with the text and its speed")
 
@@ -252,6 +308,7 @@ def _generate(args: argparse.Namespace) -> int:
     from .official import run_codec
     from .precision import autocast
 
+    _use_threads(args)
     codec = run_codec(args.run_dir)
     device = _device(args.device)
     model = load_model(args.run_dir, device)
@@ -315,20 +372,34 @@ def _inspect(args: argparse.Namespace) -> int:
     metrics_file = args.run_dir / "metrics.jsonl"
     events = read_metrics(metrics_file) if metrics_file.exists() else []
     if args.json:
-        print(json.dumps({"spans": spans, **_rounded(span_summary(spans)),
-                          "parameters": model.num_parameters()}))
+        print(json.dumps(_rounded({"spans": spans, **span_summary(spans),
+                                   "parameters": model.num_parameters()})))
     else:
         cfg = model.config
         print(f"{args.run_dir}: {cfg.attention} attention, {cfg.n_layers} layers x "
               f"{cfg.n_heads} heads, S={cfg.max_span}, {model.num_parameters():,} parameters")
         print(span_table(spans))
         for event in events[-1:]:
-            print("last record: " + ", ".join(f"{k}={v}" for k, v in event.items()))
+            print("last record: " + ", ".join(f"{k}={_readable(k, v)}" for k, v in event.items()))
     if args.plot:
         for path in (plot_spans(spans, args.plot / "spans.png", model.config.max_span),
                      plot_curves(events, args.plot / "curves.png")):
             print(f"wrote {path}")
     return 0
+
+
+def _readable(key: str, value: object) -> str:
+    """A value of a metrics record for people: bpc to 4 decimals, spans to 1, other numbers to
+    4 significant digits (whole numbers from 1,000 up)."""
+    if isinstance(value, list):
+        return f"[{', '.join(_readable(key, v) for v in value)}]"
+    if not isinstance(value, float):
+        return str(value)
+    if "bpc" in key:
+        return f"{value:.4f}"
+    if "span" in key:
+        return f"{value:.1f}"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
 # --------------------------------------------------------------------------------------- report
@@ -370,21 +441,27 @@ def _report(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------- bench
 
+BENCH_BLOCK_SIZE = 256  # without a preset or config file
+
 
 def _add_bench(commands) -> None:
     p = _command(commands, "bench", _bench)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="model options")
     p.add_argument("--preset", help="take the model of this preset")
     p.add_argument("--config", type=Path, help="TOML file with a [model] table")
-    p.add_argument("--spans", help="'fixed', or spans cycled over the heads, e.g. 32,64,128,1024")
-    p.add_argument("--batch-size", type=_positive_int, default=8)
-    p.add_argument("--block-size", type=_positive_int, default=256)
+    p.add_argument("--spans", help="'fixed', or spans cycled over the heads, e.g. 32,64,128,1024 "
+                   "(default: the spans of a new model)")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="parallel streams")
+    p.add_argument("--block-size", type=_positive_int,
+                   help=f"characters per block (default: block_size of --preset or --config, "
+                   f"else {BENCH_BLOCK_SIZE})")
     p.add_argument("--steps", type=_positive_int, default=5,
                    help="timed steps (after one warm-up)")
     p.add_argument("--gen-chars", type=_positive_int, default=64,
                    help="characters generated for timing")
-    p.add_argument("--device", default="auto")
+    _add_device(p)
     _add_dtype(p)
+    _add_threads(p)
     p.add_argument("--statistic", choices=("median", "mean"), default="median",
                    help="of the timed steps (mean: the protocol of the authors' bench script)")
     p.add_argument("--compile", action="store_true",
@@ -397,18 +474,23 @@ def _bench(args: argparse.Namespace) -> int:
 
     One warm-up step, then --steps timed steps with the cache carried; the median (or mean)
     of their times."""
-    from .bench import bench
+    from .bench import MEMORY_FIELDS, bench
     from .presets import resolve_config
 
-    model_config, _ = resolve_config(args.preset, args.config, args.overrides)
-    result = bench(model_config, args.batch_size, args.block_size, args.spans, args.steps,
+    _use_threads(args)
+    model_config, train_config = resolve_config(args.preset, args.config, args.overrides)
+    block_size = args.block_size or (train_config.block_size if args.preset or args.config
+                                     else BENCH_BLOCK_SIZE)
+    result = bench(model_config, args.batch_size, block_size, args.spans, args.steps,
                    args.gen_chars, _device(args.device), args.dtype, args.statistic,
                    args.compile)
     if args.json:
         print(json.dumps(_rounded(result)))
     else:
         for key, value in result.items():
-            print(f"{key:>22}: {value:,.1f}" if isinstance(value, float) else f"{key:>22}: {value}")
+            shown = f"{value:,.1f}" if isinstance(value, float) else value
+            note = f"  ({MEMORY_FIELDS[key]})" if key in MEMORY_FIELDS else ""
+            print(f"{key:>22}: {shown}{note}")
     return 0
 
 
@@ -464,7 +546,7 @@ def _add_demo(commands) -> None:
                    help="cap on training time (the demo preset runs 2,400 steps, ~4 min)")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where to write the run (default: runs/demo-TIME)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -495,8 +577,9 @@ def _add_compare(commands) -> None:
     p.add_argument("--test", action="store_true", help="also report test bpc")
     p.add_argument("--eval-chars", type=_positive_int, metavar="N",
                    help="evaluate on the first N characters of each split (default: all)")
+    _add_threads(p)
     p.add_argument("--json", action="store_true", help="end with the rows as one JSON line")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -516,8 +599,9 @@ def _compare(args: argparse.Namespace) -> int:
         budget = [f"time_budget={args.minutes * 60}", "steps=1e9"]
     elif args.steps is not None:
         budget = [f"steps={args.steps}"]
+    threads = [] if args.threads is None else [f"threads={args.threads}"]  # set by train
     model_config, train_config = resolve_config(args.preset, args.config,
-                                                budget + list(args.overrides))
+                                                budget + threads + list(args.overrides))
     out = args.out or new_run_dir("compare")
     methods = [method.strip() for method in args.methods.split(",") if method.strip()]
     rows = compare(methods, model_config, train_config, out, args.test, args.eval_chars,
@@ -576,12 +660,21 @@ def _device(name: str) -> torch.device:
 
 def _positive_int(text: str) -> int:
     """argparse type: an integer > 0."""
+    return _integer(text, 1, "a positive integer")
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _integer(text, 0, "an integer >= 0")
+
+
+def _integer(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
 
 
@@ -596,9 +689,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _rounded(values: dict) -> dict:
-    """Floats rounded to 6 digits, for JSON output."""
-    return {k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}
+def _rounded(values):
+    """Floats rounded to 6 digits, in dicts and lists too, for JSON output."""
+    if isinstance(values, dict):
+        return {key: _rounded(value) for key, value in values.items()}
+    if isinstance(values, list | tuple):
+        return [_rounded(value) for value in values]
+    return round(values, 6) if isinstance(values, float) else values
 
 
 if __name__ == "__main__":

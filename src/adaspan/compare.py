@@ -2,9 +2,11 @@
 
 Each method is trained with the same data, seed and budget (steps, or seconds of training per
 method) into ``out_dir/<method>``, then its final model is evaluated on the valid (and test)
-split. A method whose directory holds a finished run of the same configuration is reused, so
-an interrupted comparison can be re-run cheaply. With matplotlib, the methods' curves are drawn
-side by side (``compare_curves.png``, ``compare.html``).
+split. A method whose directory holds a finished run of the same configuration is reused (and
+its bpc read back when it was evaluated on the same characters), so an interrupted comparison
+can be re-run cheaply; the table keeps the rows of every such finished method, also those not
+asked for again. With matplotlib, the methods' curves are drawn side by side
+(``compare_curves.png``, ``compare.html``).
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from tqdm.auto import tqdm
 from .analysis import (
     PlotError,
     compare_figure,
+    effective_spans,
     flops_per_char,
     png_bytes,
     require_plots,
     span_summary,
 )
 from .checkpoint import RunDirError, atomic_write, load_model, load_run_config, stored_form
-from .config import ModelConfig, TrainConfig
-from .data import load_corpus
+from .config import ConfigError, ModelConfig, TrainConfig
+from .data import Corpus, load_corpus
 from .distributed import resolve_device
 from .errors import UserError
 from .evaluate import evaluate
@@ -38,6 +41,7 @@ from .report import run_events
 from .train import train
 
 SUMMARY_FILE = "train_summary.json"  # written into a method's run directory once trained
+EVALUATION_FILE = "compare_eval.json"  # and what its evaluation measured
 MARKDOWN_FILE = "compare.md"
 CSV_FILE = "compare.csv"
 COMPARE_FIGURE = "compare_curves.png"
@@ -85,17 +89,22 @@ def compare(
     progress: bool = True,
     log: Callable[[str], None] = tqdm.write,
 ) -> list[dict]:
-    """Train every attention method of ``methods`` and return one row per method.
+    """Train every attention method of ``methods`` and return one row per method of the table:
+    those of ``methods``, then those of the other methods whose finished run of this
+    configuration is in ``out_dir`` (from an earlier call with more methods).
 
-    Row keys: ``method``, ``layers``, ``avg_span``, ``params``, ``flops_per_char``,
-    ``chars_per_s`` (training), ``steps``, ``valid_bpc`` and, if ``evaluate_test``,
-    ``test_bpc``; bpc is measured on the whole split, or its first ``eval_chars`` characters
-    (rounded up to whole blocks). Also writes ``out_dir/compare.md`` and ``out_dir/compare.csv``
-    and, with matplotlib, ``out_dir/compare_curves.png`` and ``out_dir/compare.html``.
+    The first line logged states the budget every method trains for. Row keys: ``method``,
+    ``layers``, ``avg_span``, ``params``, ``flops_per_char``, ``chars_per_s`` (training),
+    ``steps``, ``valid_bpc`` and, if ``evaluate_test``, ``test_bpc``; bpc is measured on the
+    whole split, or its first ``eval_chars`` characters (rounded up to whole blocks). Also
+    writes ``out_dir/compare.md`` and ``out_dir/compare.csv`` and, with matplotlib,
+    ``out_dir/compare_curves.png`` and ``out_dir/compare.html``.
     """
     _check_methods(methods)
-    configs = {method: replace(model_config, attention=method) for method in methods}
     out_dir = Path(out_dir)
+    log(f"comparing {', '.join(methods)} in {out_dir}: each trains for "
+        f"{_budget(train_config)} (set it with --steps N or --minutes M)")
+    configs = _table_configs(methods, model_config, train_config, out_dir)
     corpus = load_corpus(train_config.data, train_config.data_dir, progress=progress)
     device = resolve_device(train_config.device)
     splits = ("valid", "test") if evaluate_test else ("valid",)
@@ -104,13 +113,11 @@ def compare(
         run_dir = out_dir / method
         summary = _train_or_reuse(config, train_config, run_dir, progress, log)
         model = load_model(run_dir, device)
-        bpc = {f"{split}_bpc": evaluate(model, corpus.split(split),
-                                        block_size=train_config.block_size,
-                                        progress=progress, max_chars=eval_chars)["bpc"]
-               for split in splits}
-        rows.append(_row(method, model, summary, bpc, train_config.block_size))
+        measured = _evaluation(model, run_dir, corpus, splits, train_config.block_size,
+                               eval_chars, progress)
+        rows.append(_row(method, model, summary, measured))
         if model.span_type.learned:
-            learned[method] = model.spans()
+            learned[method] = measured["spans"]
     write_csv(rows, out_dir / CSV_FILE)
     caption = _caption(train_config, eval_chars)
     (out_dir / MARKDOWN_FILE).write_text(f"{caption}\n\n{format_markdown(rows)}")
@@ -149,6 +156,33 @@ def _check_methods(methods: list[str]) -> None:
         raise MethodError(f"give each method once (at least one), got {', '.join(methods)!r}")
 
 
+def _table_configs(methods: list[str], model_config: ModelConfig, train_config: TrainConfig,
+                   out_dir: Path) -> dict[str, ModelConfig]:
+    """The model configuration of every method of the table: ``methods``, then the other
+    registered methods with a finished run of this configuration in ``out_dir``."""
+    configs = {method: replace(model_config, attention=method) for method in methods}
+    for method in ATTENTIONS:
+        if method in configs:
+            continue
+        try:
+            config = replace(model_config, attention=method)
+            if _finished(out_dir / method, config, train_config):
+                configs[method] = config
+        except ConfigError:  # the method does not suit these options, or its run is invalid
+            continue
+    return configs
+
+
+def _finished(run_dir: Path, model_config: ModelConfig, train_config: TrainConfig) -> bool:
+    """Whether ``run_dir`` holds a finished run of these configurations (its threads aside:
+    they change the speed, not what the run learns)."""
+    if not (run_dir / SUMMARY_FILE).is_file():
+        return False
+    saved_model, saved_train = load_run_config(run_dir)
+    return saved_model == model_config and (replace(saved_train, threads=None)
+                                            == replace(stored_form(train_config), threads=None))
+
+
 def _train_or_reuse(
     model_config: ModelConfig,
     train_config: TrainConfig,
@@ -159,8 +193,7 @@ def _train_or_reuse(
     """The training summary of ``run_dir``: reused if it holds a finished run of these
     configurations, otherwise from training a new run there."""
     summary_file = run_dir / SUMMARY_FILE
-    stored = (model_config, stored_form(train_config))
-    if summary_file.is_file() and load_run_config(run_dir) == stored:
+    if _finished(run_dir, model_config, train_config):
         log(f"{run_dir}: finished run with the same configuration, reused")
         return json.loads(summary_file.read_text())
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -171,25 +204,50 @@ def _train_or_reuse(
     return summary
 
 
-def _row(
-    method: str, model: SpanLM, summary: dict, bpc: dict[str, float], block_size: int
-) -> dict:
-    """One table row; spans after evaluation (dynamic spans: those of the last block)."""
+def _evaluation(model: SpanLM, run_dir: Path, corpus: Corpus, splits: tuple[str, ...],
+                block_size: int, eval_chars: int | None, progress: bool) -> dict:
+    """``<split>_bpc`` of ``model`` on each split of ``splits``; then, as they stand after
+    evaluation (dynamic spans: those of its last block), the ``spans`` of its heads
+    (:func:`effective_spans`) and its ``flops_per_char``. Read back from ``run_dir`` where that
+    run was evaluated on the same characters before."""
+    keys = [f"{split}_bpc" for split in splits]
+    stored_file = run_dir / EVALUATION_FILE
+    stored = json.loads(stored_file.read_text()) if stored_file.is_file() else {}
+    if stored.get("eval_chars") != eval_chars or not set(keys) <= set(stored["bpc"]):
+        bpc = {key: evaluate(model, corpus.split(split), block_size=block_size,
+                             progress=progress, max_chars=eval_chars)["bpc"]
+               for key, split in zip(keys, splits, strict=True)}
+        stored = {"eval_chars": eval_chars, "bpc": bpc,
+                  "spans": effective_spans(model, block_size),
+                  "flops_per_char": flops_per_char(model, block_size)}
+        text = json.dumps(stored) + "\n"
+        atomic_write({stored_file: lambda path: path.write_text(text)})
+    return {"spans": stored["spans"], "flops_per_char": stored["flops_per_char"],
+            **{key: stored["bpc"][key] for key in keys}}
+
+
+def _row(method: str, model: SpanLM, summary: dict, measured: dict) -> dict:
+    """One table row, from the training ``summary`` and what :func:`_evaluation` measured."""
     return {
         "method": method,
         "layers": model.config.n_layers,
-        "avg_span": span_summary(model.spans())["avg_span"],
+        "avg_span": span_summary(measured["spans"])["avg_span"],
         "params": model.num_parameters(),
-        "flops_per_char": flops_per_char(model, block_size),
+        "flops_per_char": measured["flops_per_char"],
         "chars_per_s": summary["chars_per_s"],
         "steps": summary["steps"],
-        **bpc,
+        **{key: value for key, value in measured.items() if key.endswith("_bpc")},
     }
 
 
+def _budget(train_config: TrainConfig) -> str:
+    """What each method trains for: its time budget, else its steps."""
+    return (f"{train_config.time_budget:g} s of training" if train_config.time_budget
+            else f"{train_config.steps:,} steps")
+
+
 def _caption(train_config: TrainConfig, eval_chars: int | None) -> str:
-    budget = (f"{train_config.time_budget:g} s of training" if train_config.time_budget
-              else f"{train_config.steps:,} steps")
+    budget = _budget(train_config)
     scope = f"first {eval_chars:,} characters (a prefix)" if eval_chars else "whole split"
     return (f"{train_config.data}: every method trained for {budget} with seed "
             f"{train_config.seed}; bpc over the {scope}.")

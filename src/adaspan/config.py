@@ -22,6 +22,7 @@ TRUNCATIONS = ("head", "layer", "none")
 POSITION_TABLES = ("model", "layer")
 OPTIMIZERS = ("adagrad", "adamw")
 CLIP_MODES = ("per-tensor-lr", "global")
+LEARNED_SPANS = ("adaptive", "dynamic")  # the attentions whose spans adapt (beyond the ramp R)
 
 
 class ConfigError(UserError, ValueError):
@@ -59,7 +60,9 @@ class Options:
         text = item.metadata["help"]
         if item.metadata["choices"] is not None:
             text += f" ({' | '.join(item.metadata['choices'])})"
-        return text if item.default is MISSING else f"{text} [default: {item.default}]"
+        if item.default is MISSING or "(default" in text:  # the help says it already
+            return text
+        return f"{text} [default: {item.default}]"
 
     def _check_choices(self) -> None:
         for item in fields(self):
@@ -69,7 +72,19 @@ class Options:
                               f"one of {', '.join(choices)}")
 
     def _require(self, name: str, ok: Callable[[Any], object], what: str) -> None:
-        require(f"{type(self).__name__}.{name}", getattr(self, name), ok, what)
+        require(self.option_name(name), getattr(self, name), ok, what)
+
+    @classmethod
+    def option_name(cls, name: str) -> str:
+        """Option ``name`` as the user writes it (``steps=``, ``--steps``): bare, or with its
+        section (``train.steps``) where another section has an option of that name."""
+        return name if len(Options.sections_of(name)) <= 1 else f"{cls.section}.{name}"
+
+    @staticmethod
+    def sections_of(name: str) -> list[str]:
+        """The sections that have an option ``name``."""
+        return [section for section, cls in SECTIONS.items()
+                if name in {item.name for item in fields(cls)}]
 
 
 @dataclass
@@ -131,6 +146,16 @@ class ModelConfig(Options):
             self._require("max_span", lambda v: v >= self.factorized_stride,
                           f">= factorized_stride={self.factorized_stride} for factorized "
                           "attention")
+        self._check_span_can_adapt()
+
+    def _check_span_can_adapt(self) -> None:
+        """Learned spans need room beyond the ramp: with S <= R every span ``min(S, z + R)``
+        is S whatever z, so nothing would adapt."""
+        if self.attention in LEARNED_SPANS and self.max_span <= self.ramp:
+            raise ConfigError(
+                f"max_span={self.max_span} must be larger than ramp={self.ramp} for "
+                f"attention={self.attention}: every span would be pinned at max_span and "
+                "nothing would adapt; raise max_span or lower ramp")
 
     @property
     def d_head(self) -> int:
@@ -178,6 +203,9 @@ class TrainConfig(Options):
     dtype: str = option("auto", "products in bf16 (autocast) or fp32; auto: bf16 where the "
                         "device has fast bf16 (CUDA compute 8.0+, CPUs with AVX-512 BF16 or "
                         "AMX), else fp32", choices=DTYPES)
+    threads: int | None = option(None, "CPU threads of torch's operators (default: torch's, "
+                                 "one per core; 0: the same); on a machine shared with other "
+                                 "jobs: cores / jobs")
     compile: bool = option(False, "compile the layers' dense parts (norms, feed-forward, "
                            "residuals) and the output with torch.compile (true | false)")
     memory_limit: float | None = option(None, "GB a run may use (default: what the device has "
@@ -218,6 +246,8 @@ class TrainConfig(Options):
         self._require("compile", lambda v: isinstance(v, bool), "true or false")
         self._require("memory_limit", lambda v: v is None or (_is_number(v) and v > 0),
                       "a number of GB > 0, or None")
+        self._require("threads", lambda v: v is None or (_is_int(v) and v >= 0),
+                      "an integer >= 0 (0: torch's default), or None")
 
     @classmethod
     def fixed_on_resume(cls) -> list[str]:

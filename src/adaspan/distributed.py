@@ -115,3 +115,12 @@ def resolve_device(name: str, local_rank: int = 0, world_size: int = 1) -> torch
         raise DeviceError(f"device {str(device)!r} asked for, but this machine has "
                           f"{torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def use_threads(threads: int | None) -> int:
+    """Run torch's CPU operators on ``threads`` threads (None or 0: torch's default, one per
+    core, left as it is); returns the number in use. On a machine shared with other jobs,
+    cores / jobs each: more threads than free cores make every job wait for the others."""
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()

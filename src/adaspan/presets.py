@@ -19,7 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .config import SECTIONS, ConfigError, ModelConfig, TrainConfig
+from .config import SECTIONS, ConfigError, ModelConfig, Options, TrainConfig
 
 
 def _paper(model: dict, train: dict, description: str) -> dict:
@@ -113,7 +113,7 @@ def resolve_config(
             raise ConfigError(f"config file {config_file}: {exc}") from None
     for item in overrides:
         section, key, text = _parse_override(item)
-        values[section][key] = _coerce(section, key, text)
+        values[section][key] = _coerce(section, key, text, item.partition("=")[0].strip())
     return ModelConfig(**values["model"]), TrainConfig(**values["train"])
 
 
@@ -143,7 +143,7 @@ def _parse_override(item: str) -> tuple[str, str, str]:
     section, dot, key = name.rpartition(".")
     if dot:
         return section, key, text.strip()
-    owners = [s for s, cls in SECTIONS.items() if key in _field_names(cls)]
+    owners = Options.sections_of(key)
     if len(owners) > 1:
         raise ConfigError(f"option {key!r} is ambiguous: write "
                          f"{' or '.join(f'{s}.{key}' for s in owners)}")
@@ -178,8 +178,9 @@ _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
-def _coerce(section: str, key: str, value: object) -> object:
-    """``value`` (a string from the command line or a TOML value) as the option's type."""
+def _coerce(section: str, key: str, value: object, name: str | None = None) -> object:
+    """``value`` (a string from the command line or a TOML value) as the option's type;
+    ``name``: the option as the user wrote it (default: ``section.key``)."""
     kind = _field_type(section, key)
     optional = isinstance(kind, types.UnionType) and type(None) in typing.get_args(kind)
     if optional:
@@ -196,7 +197,7 @@ def _coerce(section: str, key: str, value: object) -> object:
     except (KeyError, ValueError):
         pass
     expected = _KINDS[kind] + (" or none" if optional else "")
-    raise ConfigError(f"{section}.{key} must be {expected}, got {value!r}")
+    raise ConfigError(f"{name or f'{section}.{key}'} must be {expected}, got {value!r}")
 
 
 def _parse(text: str, kind: type) -> object:

@@ -82,7 +82,8 @@ class Span(nn.Module):
         if spans.numel() != self.n_heads:
             raise ValueError(f"expected {self.n_heads} spans, got {spans.numel()}")
         if (spans < 1).any() or (spans > self.max_span).any():
-            raise ValueError(f"spans must lie in [1, max_span={self.max_span}], got {spans}")
+            raise ValueError(f"spans must lie in [1, max_span={self.max_span}], got "
+                             f"{', '.join(f'{v:g}' for v in spans.tolist())}")
         return (spans - self.ramp).clamp(min=0.0)
 
 

@@ -48,7 +48,7 @@ from .checkpoint import (
 )
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import BlockStream, Corpus, load_corpus
-from .distributed import Distributed, resolve_device
+from .distributed import Distributed, resolve_device, use_threads
 from .errors import UserError
 from .evaluate import evaluate
 from .memory import OutOfMemory, check_training_memory, fit_batch_split, memory_available, size
@@ -127,6 +127,7 @@ def train(
     train_config = stored_form(train_config)
     device = resolve_device(train_config.device, dist.local_rank, dist.world_size)
     use_tf32(device)
+    use_threads(train_config.threads)
     owns_group = dist.start(device)
     try:
         return _Loop(build_run(model_config, train_config, Path(run_dir), resume, device, dist,
@@ -201,7 +202,7 @@ def build_run(
     the checkpoint (``resume``) or write the new run's configuration."""
     if config.batch_size % (dist.world_size * config.batch_split):
         raise ConfigError(
-            f"TrainConfig.batch_size={config.batch_size} must be divisible by "
+            f"batch_size={config.batch_size} must be divisible by "
             f"{dist.world_size} processes x batch_split={config.batch_split}"
         )
     prepare_run_dir(run_dir, model_config, config, resume)
@@ -491,7 +492,8 @@ class _Loop:
         return (f"{self.run_dir}: {where}; {self.model.num_parameters():,} parameters, "
                 f"{self.setup.corpus.name} ({len(self.setup.corpus.train):,} train chars), "
                 f"{config.steps:,} steps of {config.batch_size}x{config.block_size} chars, "
-                f"{config.optimizer} lr {config.lr:g}, on {self.device}{processes} in "
+                f"{config.optimizer} lr {config.lr:g}, on {self.device}{processes} "
+                f"({torch.get_num_threads()} CPU threads) in "
                 f"{resolve_dtype(config.dtype, self.device)}; memory "
                 f"{self.setup.memory}")
 
