@@ -95,6 +95,22 @@ def run_quietly(run_dir: Path, config: TrainConfig, model: ModelConfig = TRAIN_M
     return train(model, config, run_dir, progress=False, log=lambda message: None, **kw)
 
 
+def run_processes(worker, args: tuple, what: str, nprocs: int = 2, seconds: float = 120) -> None:
+    """``worker(rank, *args)`` in ``nprocs`` spawned processes, killed (and the test failed,
+    saying ``what`` did not finish) after ``seconds``."""
+    import time
+
+    import pytest
+
+    workers = torch.multiprocessing.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + seconds
+    while not workers.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail(f"{what} did not finish in {seconds:g} s")
+
+
 def load_script(name: str) -> ModuleType:
     """The module of ``scripts/<name>.py`` (the scripts are not part of the package)."""
     path = Path(__file__).parents[1] / "scripts" / f"{name}.py"

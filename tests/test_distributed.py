@@ -7,14 +7,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing
-from helpers import TRAIN_MODEL, run_quietly, tiny_train_config
+from helpers import TRAIN_MODEL, run_processes, run_quietly, tiny_train_config
 from safetensors.torch import load_file
 
 from adaspan import SpanLM
@@ -68,14 +67,7 @@ def _worker(rank: int, store: Path, data: str, out: Path) -> None:
 def two_processes(tmp_path_factory, corpus_file) -> Path:
     """What the 2 processes of :func:`_worker` wrote."""
     out = tmp_path_factory.mktemp("two-processes")
-    workers = torch.multiprocessing.spawn(_worker, args=(out / "store", corpus_file, out),
-                                          nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    while not workers.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail("the 2 processes did not finish in 120 s")
+    run_processes(_worker, (out / "store", corpus_file, out), "the 2 processes")
     return out
 
 

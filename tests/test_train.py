@@ -10,14 +10,13 @@ import math
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing
 import torch.nn.functional as F
-from helpers import TRAIN_MODEL, run_quietly, tiny_train_config
+from helpers import TRAIN_MODEL, run_processes, run_quietly, tiny_train_config
 
 from adaspan import SpanLM
 from adaspan.cache import StreamCache
@@ -181,15 +180,8 @@ def _free_ports(count: int) -> tuple[int, ...]:
 def test_two_processes_match_one_and_resume(tmp_path, corpus_file):
     run_quietly(tmp_path / "single", tiny_train_config(corpus_file, steps=6),
         dataclasses.replace(TRAIN_MODEL, dropout=0.0))
-    workers = torch.multiprocessing.spawn(
-        _distributed_worker, args=(_free_ports(2), corpus_file, tmp_path / "ddp"), nprocs=2,
-        join=False)
-    deadline = time.monotonic() + 120
-    while not workers.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail("distributed training did not finish in 120 s")
+    run_processes(_distributed_worker, (_free_ports(2), corpus_file, tmp_path / "ddp"),
+                  "distributed training")
     single, ddp = weights(tmp_path / "single"), weights(tmp_path / "ddp")
     for name in single:
         torch.testing.assert_close(ddp[name], single[name], atol=1e-6, rtol=0)
