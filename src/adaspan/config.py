@@ -13,6 +13,8 @@ from collections.abc import Callable, Collection
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+import torch
+
 from .distributed import DEVICE
 from .errors import UserError
 from .precision import DTYPES
@@ -22,9 +24,6 @@ TRUNCATIONS = ("head", "layer", "none")
 POSITION_TABLES = ("model", "layer")
 OPTIMIZERS = ("adagrad", "adamw")
 CLIP_MODES = ("per-tensor-lr", "global")
-LEARNED_SPANS = ("adaptive", "dynamic")  # the attentions whose spans adapt (beyond the ramp R)
-
-
 class ConfigError(UserError, ValueError):
     """An invalid option: of a configuration, a preset, a TOML file, an override or a
     command."""
@@ -151,11 +150,17 @@ class ModelConfig(Options):
     def _check_span_can_adapt(self) -> None:
         """Learned spans need room beyond the ramp: with S <= R every span ``min(S, z + R)``
         is S whatever z, so nothing would adapt."""
-        if self.attention in LEARNED_SPANS and self.max_span <= self.ramp:
+        if self.max_span <= self.ramp and self._learns_spans():
             raise ConfigError(
                 f"max_span={self.max_span} must be larger than ramp={self.ramp} for "
                 f"attention={self.attention}: every span would be pinned at max_span and "
                 "nothing would adapt; raise max_span or lower ramp")
+
+    def _learns_spans(self) -> bool:
+        """Whether the registered attention's span is learned (built on the meta device: no
+        memory, no initialisation)."""
+        with torch.device("meta"):
+            return ATTENTIONS[self.attention](self).span.learned
 
     @property
     def d_head(self) -> int:
