@@ -108,3 +108,11 @@ def test_flops_of_the_baselines_count_the_keys_they_read(kind, keys):
     extra = 3 * 16 * 16 / 6 if kind == "xl" else 0.0  # W_r R_d of the S + 1 distances per block
     assert attn.flops_per_char(6) == pytest.approx(4 * 16 * 16 + 2 * 4 * sum(keys) + extra)
 
+
+
+def test_bench_reports_the_span_a_vanilla_head_can_reach(capsys):
+    """vanilla sees at most its block: with S = 256 and blocks of 16, 15 tokens back."""
+    assert main(["bench", *TINY, "attention=vanilla", "--batch-size", "2", "--block-size", "16",
+                 "--steps", "1", "--gen-chars", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["avg_span"] == pytest.approx(15)

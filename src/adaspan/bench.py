@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from . import precision
-from .analysis import flops_per_char
+from .analysis import effective_spans, flops_per_char
 from .config import ConfigError, ModelConfig
 from .decode import decoder
 from .memory import estimate_training_memory
@@ -127,7 +127,8 @@ def bench(
         "attention": model.config.attention,
         "max_span": config.max_span,
         "spans": spans or "init",
-        "avg_span": sum(map(sum, model.spans())) / (config.n_layers * config.n_heads),
+        "avg_span": sum(map(sum, effective_spans(model, block_size)))
+        / (config.n_layers * config.n_heads),
         "batch_size": batch_size,
         "block_size": block_size,
         "dtype": precision.resolve_dtype(dtype, device),
