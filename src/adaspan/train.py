@@ -313,7 +313,6 @@ class _Loop:
         stopped = "completed"
         self.bar = bar = tqdm(total=config.steps, initial=state.step, unit="step",
                               dynamic_ncols=True, disable=None if self.setup.progress else True)
-        self.window = _Window()
         try:
             with bar, _deferred_signals() as received:
                 while state.step < config.steps:
