@@ -28,7 +28,8 @@ def tiny_config(attention: str = "adaptive", **changes) -> ModelConfig:
 
 def tiny(attention: str = "adaptive", **changes) -> SpanLM:
     """:func:`tiny_config`'s model in eval mode, seeded; heads made to differ where the span
-    learns: adaptive heads get :data:`TINY_SPANS`, dynamic spans random ``v`` and ``b``."""
+    learns: adaptive heads get :data:`TINY_SPANS` (with ``span_per="layer"``, every head of a
+    layer its first), dynamic spans random ``v`` and ``b``."""
     torch.manual_seed(0)
     model = SpanLM(tiny_config(attention, **changes))
     config = model.config
@@ -36,8 +37,8 @@ def tiny(attention: str = "adaptive", **changes) -> SpanLM:
         span = layer.attn.span
         if isinstance(span, AdaptiveSpan):
             row = TINY_SPANS[i % len(TINY_SPANS)]
-            span.set_spans(torch.tensor([min(row[h % len(row)], config.max_span)
-                                         for h in range(config.n_heads)]))
+            span.set_spans(torch.tensor([min(row[0 if span.per_layer else h % len(row)],
+                                             config.max_span) for h in range(config.n_heads)]))
         elif isinstance(span, DynamicSpan):
             with torch.no_grad():
                 span.v.normal_(0, 0.3)
@@ -49,18 +50,20 @@ def span_attention(kind: str, truncation: str = "head", max_span: int = 48,
                    **changes) -> SpanAttention:
     """A standalone layer of the variant ``kind`` (it owns its table of p_d): width 16, 4 heads,
     R = 8, seeded; adaptive heads get spans 8, 13.5, 30, 44 (capped at S), dynamic spans a
-    random ``v`` and biases -3, -1, 0, 1."""
+    random ``v`` and biases -3, -1, 0, 1; with ``span_per="layer"``, span 30 and bias 0."""
     config = ModelConfig(d_model=16, n_heads=4, n_layers=1, d_inner=32, max_span=max_span,
                          ramp=8, dropout=0.0, attention=kind, truncation=truncation,
                          span_bucket=8, position_table="layer", **changes)
     torch.manual_seed(0)
     attn = ATTENTIONS[kind](config)
+    shared = attn.span.per_layer
     if isinstance(attn.span, AdaptiveSpan):
-        attn.span.set_spans(torch.tensor([8.0, 13.5, 30.0, 44.0]).clamp(max=max_span))
+        spans = [30.0] * 4 if shared else [8.0, 13.5, 30.0, 44.0]
+        attn.span.set_spans(torch.tensor(spans).clamp(max=max_span))
     if isinstance(attn.span, DynamicSpan):
         with torch.no_grad():
             attn.span.v.normal_(0, 0.5)
-            attn.span.b.copy_(torch.tensor([-3.0, -1.0, 0.0, 1.0]))
+            attn.span.b.copy_(torch.tensor([0.0] if shared else [-3.0, -1.0, 0.0, 1.0]))
     return attn
 
 

@@ -12,18 +12,21 @@ from adaspan.span import AdaptiveSpan, DynamicSpan
 
 
 def reference_z(attn: SpanAttention, x: Tensor) -> Tensor | None:
-    """z of every (batch, head, token) straight from the span parameters, or None if fixed."""
+    """z of every (batch, head, token) straight from the span parameters, or None if fixed;
+    every head reads the layer's one z (or v, b) where ``span.per_layer``."""
     span = attn.span
     B, M, _ = x.shape
+    rows = [0 if span.per_layer else h for h in range(span.n_heads)]  # each head's parameters
     if isinstance(span, AdaptiveSpan):  # z = S z', z' in [0, 1]
         z = span.max_span * span.z_frac.clamp(0, 1)
-        return z.view(1, -1, 1).expand(B, -1, M)
+        return z[rows].view(1, -1, 1).expand(B, -1, M)
     if isinstance(span, DynamicSpan):  # z_t = S sigmoid(v . x_t + b)
         z = torch.empty(B, span.n_heads, M, dtype=x.dtype)
         for b in range(B):
             for h in range(span.n_heads):
                 for t in range(M):
-                    z[b, h, t] = span.max_span * torch.sigmoid(span.v[h] @ x[b, t] + span.b[h])
+                    v, bias = span.v[rows[h]], span.b[rows[h]]
+                    z[b, h, t] = span.max_span * torch.sigmoid(v @ x[b, t] + bias)
         return z
     return None
 

@@ -194,3 +194,23 @@ def test_the_public_softmax_formulas_agree_with_the_private_kernels(monkeypatch)
 def test_a_block_is_one_chunk_on_cuda_and_chunked_by_the_table_on_the_cpu():
     assert chunk_size(256, 64, "cuda") == 256 and chunk_size(256, 5000, "cuda") == 256
     assert chunk_size(256, 64) == CHUNKS[0][1] < 256 and chunk_size(16, 64) == 16
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "dynamic"])
+def test_one_span_per_layer_matches_reference_in_one_head_group(kind):
+    """span_per="layer": the heads share z (or z_t), read the same keys as one group, and the
+    output and every gradient (the shared span's included) equal the reference's."""
+    attn = span_attention(kind, span_per="layer").double()
+    x, cache = (torch.randn(2, 6, 16, dtype=torch.float64),
+                torch.randn(2, 40, 16, dtype=torch.float64))
+    windows = attn.key_windows(attn.span(x))
+    assert len(attn._layout(tuple(windows), x.device).groups) == 1
+    weights = torch.randn(2, 6, 16, dtype=torch.float64)
+    grads = []
+    for forward in (lambda: attn(x, cache)[0], lambda: reference_attention(attn, x, cache)):
+        attn.zero_grad()
+        (forward() * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in attn.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], atol=1e-8, rtol=1e-6, msg=name)
+    assert all(grads[0][n].abs().sum() > 0 for n in grads[0] if n.startswith("span."))

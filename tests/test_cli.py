@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import re
 import subprocess
 import sys
@@ -85,6 +86,28 @@ def test_evaluate_json_last_line(run_dir, capsys):
     assert result["split"] == "test" and result["chars"] >= 512 and 0 < result["bpc"] < 9
 
 
+@pytest.mark.parametrize("streams", [1, 4])
+def test_evaluate_states_what_it_scored_and_how(run_dir, capsys, streams):
+    options = ["--max-chars", "520", "--batch-size", str(streams), "--no-progress"]
+    assert main(["evaluate", str(run_dir), *options, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    longest = max(max(layer) for layer in load_model(run_dir).spans())  # span attention
+    n = 520 // streams  # targets per stream
+    assert result["split"] == "valid" and result["chars"] == streams * n
+    assert (result["streams"], result["stream_chars"], result["block_size"]) == (streams, n, 16)
+    assert result["cache_carried"] and max(result["cache_positions"]) >= longest
+    assert result["longest_span"] == pytest.approx(longest)
+    assert result["short_context_chars"] == streams * math.ceil(longest)  # each stream's first
+    assert main(["evaluate", str(run_dir), *options]) == 0
+    card = capsys.readouterr().out.splitlines()[-3:]
+    assert card[0] == (f"  valid split: {streams * n:,} characters scored in {streams} "
+                       f"stream{'s' * (streams > 1)} (batch size) of {n}, blocks of 16")
+    assert card[1] == ("  cache carried from block to block: yes, up to "
+                       f"{max(result['cache_positions'])} positions per stream")
+    assert card[2].startswith(f"  {streams * math.ceil(longest)} characters (")
+    assert f"fewer than the longest span ({longest:.1f}) of characters before them" in card[2]
+
+
 def test_generate_prints_prompt_and_continuation(run_dir, capsys):
     assert main(["generate", str(run_dir), "--prompt", "In the", "--length", "20"]) == 0
     out = capsys.readouterr().out
@@ -144,6 +167,10 @@ def test_inspect_prints_spans_and_plots(run_dir, tmp_path, capsys):
     assert main(["inspect", str(run_dir), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["spans"]) == 1 and len(report["spans"][0]) == 2
+    heads = [json.loads(line)["head_spans"][0]
+             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]  # steps 1-4
+    assert report["span_trajectories"] == {"steps": [1, 4], "start": [heads[0]],
+                                           "now": [heads[-1]], "max": [list(map(max, *heads))]}
     assert main(["inspect", str(run_dir), "--plot", str(tmp_path)]) == 0
     assert (tmp_path / "spans.png").stat().st_size > 1000
     assert (tmp_path / "curves.png").stat().st_size > 1000
@@ -237,8 +264,11 @@ def test_every_help_gives_the_defaults_and_generate_says_what_its_seed_does():
 
 def test_inspect_rounds_for_reading(run_dir, capsys):
     assert main(["inspect", str(run_dir)]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("last record: step=4, train_bpc=")
+    *_, title, trajectory, last = capsys.readouterr().out.strip().splitlines()
+    assert title == ("span of each head during training (metrics.jsonl, steps 1 to 4): "
+                     "start -> now (max)")
+    assert re.fullmatch(r"    0 \| h0 \d+\.\d -> \d+\.\d \(\d+\.\d\) \| h1 .*", trajectory)
+    assert last.startswith("last record: step=4, train_bpc=") and "head_spans" not in last
     assert re.search(r"train_bpc=\d\.\d{4},", last) and re.search(r"avg_span=\d+\.\d,", last)
     assert re.search(r"layer_avg_span=\[\d+\.\d\]", last)
     assert not re.search(r"\.\d{6}", last), last  # other numbers: 4 significant digits

@@ -24,6 +24,7 @@ from adaspan.compare import (
     compare,
     format_markdown,
 )
+from adaspan.config import ConfigError
 from adaspan.page import compare_page
 from adaspan.presets import resolve_config
 from adaspan.registry import ATTENTIONS
@@ -33,8 +34,8 @@ TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "b
         "checkpoint_interval=2", "tensorboard=false", "device=cpu"]
 METHODS = ["fixed", "adaptive", "xl"]
 EVAL_CHARS = 256
-FIELDS = ["method", "layers", "avg_span", "params", "flops_per_char", "chars_per_s", "steps",
-          "valid_bpc", "test_bpc"]
+FIELDS = ["method", "layers", "avg_span", "params", "flops_per_char", "peak_mb", "chars_per_s",
+          "steps", "valid_bpc", "test_bpc"]
 
 
 def _configs(*extra: str):
@@ -63,7 +64,7 @@ def test_one_row_per_method_with_table_fields(compared):
     for row in rows:
         assert list(row) == FIELDS
         assert row["layers"] == 1 and row["steps"] == 2 and row["params"] > 0
-        assert row["chars_per_s"] > 0 and row["flops_per_char"] > 0
+        assert row["chars_per_s"] > 0 and row["flops_per_char"] > 0 and row["peak_mb"] > 0
         assert 0 < row["valid_bpc"] < 9 and 0 < row["test_bpc"] < 9
     assert fixed["avg_span"] == xl["avg_span"] == 64
     assert adaptive["avg_span"] < 64  # spans start at R = 32 and hardly move in 2 steps
@@ -95,7 +96,7 @@ def test_page_table_is_rendered_from_rows_and_escaped():
     rows = [{"method": "<b>&", "steps": 1200, "valid_bpc": 1.23456},
             {"method": "plain", "steps": 7, "valid_bpc": 2.0}]
     columns = [column for column in COLUMNS if column[0] in rows[0]]
-    page = compare_page("out", b"png", "bpc < 2 & more", rows, columns, ["a <note>"], {}, 64)
+    page = compare_page("out", [b"png"], "bpc < 2 & more", rows, columns, ["a <note>"], {}, 64)
     assert ("<tr><th>Method</th><th>steps</th><th>valid bpc</th></tr>"
             "<tr><td>&lt;b&gt;&amp;</td><td>1,200</td><td>1.235</td></tr>"
             "<tr><td>plain</td><td>7</td><td>2.000</td></tr></table>") in page
@@ -129,8 +130,8 @@ def test_markdown_has_header_and_one_row_per_method(compared):
     table = [line for line in (out / MARKDOWN_FILE).read_text().splitlines()
              if line.startswith("|")]
     assert table[0].split("|")[1:-1] == [
-        " Method ", " #layers ", " Avg. span ", " #Params ", " FLOPs/char ", " chars/s ",
-        " steps ", " valid bpc ", " test bpc "]
+        " Method ", " #layers ", " Avg. span ", " #Params ", " FLOPs/char ", " Peak MB ",
+        " chars/s ", " steps ", " valid bpc ", " test bpc "]
     assert set(table[1]) <= set("|-: ")
     assert [line.split("|")[1].strip() for line in table[2:]] == METHODS
     assert "FLOPs/char:" in (out / MARKDOWN_FILE).read_text()
@@ -218,7 +219,7 @@ def test_cli_minutes_budget_prints_markdown(tmp_path, capsys):
     assert out.splitlines()[0] == (f"comparing vanilla in {tmp_path}: each trains for 6e-05 s "
                                    "of training (set it with --steps N or --minutes M)")
     row = next(line for line in out.splitlines() if line.startswith("| vanilla"))
-    assert row.split("|")[7].strip() == "1"  # the time budget, not steps, ended training
+    assert row.split("|")[8].strip() == "1"  # the time budget, not steps, ended training
     assert row.split("|")[3].strip() == "15"  # S = 64, but it sees at most its block of 16
 
 
@@ -240,3 +241,64 @@ def test_runs_of_a_relative_corpus_path_are_reused(tmp_path, monkeypatch, corpus
     assert messages[0] == (f"comparing fixed in {tmp_path / 'out'}: each trains for 2 steps "
                            "(set it with --steps N or --minutes M)")  # the preset's, stated
     assert messages[1].endswith("finished run with the same configuration, reused")
+
+
+# ------------------------------------------------------------- against the span limit (Figure 2)
+
+
+@pytest.fixture(scope="module")
+def against_limits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("limits")
+    return out, _compare(out, ["fixed", "adaptive"], max_spans=[128, 64], evaluate_test=False)
+
+
+def test_one_row_per_method_and_span_limit(against_limits):
+    out, rows = against_limits
+    assert [(row["method"], row["max_span"]) for row in rows] == [
+        ("fixed", 64), ("adaptive", 64), ("fixed", 128), ("adaptive", 128)]
+    assert all((out / f"{m}-S{s}" / "config.json").is_file() for m in ("fixed", "adaptive")
+               for s in (64, 128))
+    by = {(row["method"], row["max_span"]): row for row in rows}
+    # a fixed span pays for S; a learned span (near R = 32 after 2 steps) for what it uses
+    fixed_growth = by["fixed", 128]["flops_per_char"] - by["fixed", 64]["flops_per_char"]
+    assert fixed_growth == pytest.approx(2 * 8 * 64 * 2)  # 2 d_head per key, 2 heads, 64 keys
+    assert by["adaptive", 128]["flops_per_char"] == pytest.approx(
+        by["adaptive", 64]["flops_per_char"], rel=0.01)
+    assert by["fixed", 128]["peak_mb"] > by["fixed", 64]["peak_mb"]
+    assert by["fixed", 64]["avg_span"] == 64 and by["fixed", 128]["avg_span"] == 128
+
+
+def test_span_limit_figure_is_drawn_and_embedded(against_limits):
+    out, _ = against_limits
+    png = (out / "compare_max_spans.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    page = (out / COMPARE_PAGE).read_text()
+    assert base64.b64encode(png).decode() in page and "Figure 2" in page
+    assert "<th>S</th>" in (page) and "| S |" in (out / MARKDOWN_FILE).read_text()
+
+
+def test_span_limit_runs_are_reused(against_limits, tmp_path, monkeypatch):
+    out, rows = against_limits
+    shutil.copytree(out, tmp_path / "again")
+    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    again = _compare(tmp_path / "again", ["fixed", "adaptive"],
+                     max_spans=[64, 128], evaluate_test=False)
+    assert again == rows
+
+
+@pytest.mark.parametrize("limits, message", [([64, 64], "once"), ([16], "max_span=16")])
+def test_bad_span_limits_are_refused_before_training(tmp_path, limits, message):
+    with pytest.raises(ConfigError, match=message):
+        _compare(tmp_path, ["adaptive"], max_spans=limits)
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_max_spans(tmp_path, capsys):
+    assert main(["compare", *TINY, "--steps", "1", "--methods", "fixed", "--max-spans",
+                 "64,96", "--out", str(tmp_path / "c"), "--json", "--no-progress"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [row["max_span"] for row in rows] == [64, 96]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--max-spans", "64,x", "--out", str(tmp_path / "d")])
+    assert exit_info.value.code == 2
+    assert "not a list of whole numbers" in capsys.readouterr().err

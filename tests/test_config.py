@@ -20,7 +20,7 @@ from adaspan.registry import ATTENTIONS
     [("d_model", 30), ("n_heads", 0), ("ramp", 1), ("dropout", 1.0), ("attention", "sparse"),
      ("max_span", -5), ("span_init", 2.0), ("truncation", "some"), ("vocab_size", 2.5),
      ("n_layers", True), ("span_bucket", 0), ("position_table", "global"),
-     ("span_loss_coef", -1e-6)],
+     ("span_loss_coef", -1e-6), ("span_per", "heads")],
 )
 def test_invalid_config_names_the_field(field, value):
     with pytest.raises(ConfigError, match=rf"^{field} must be "):  # as the user writes it
@@ -78,6 +78,14 @@ def test_learned_spans_that_could_not_adapt_are_refused(attention, options):
                "pinned at max_span and nothing would adapt; raise max_span or lower ramp")
     with pytest.raises(ConfigError, match=re.escape(message)):
         ModelConfig(attention=attention, **options)
+
+
+@pytest.mark.parametrize("attention", list(ATTENTIONS))
+def test_one_span_per_layer_is_accepted_by_every_variant(attention):
+    """As span_init: the variants without learned spans ignore it, so that one configuration
+    (``adaspan compare span_per=layer``) builds every method."""
+    config = tiny_config(attention, span_per="layer")
+    assert ModelConfig.from_dict(config.to_dict()) == config
 
 
 @pytest.mark.parametrize("attention", ["fixed", "vanilla", "xl"])

@@ -55,11 +55,11 @@ def carries_history(model: SpanLM) -> bool:
 # --- the checks, callable for any registered name -----------------------------------------------
 
 
-def check_causal(attention: str) -> None:
+def check_causal(attention: str, **changes) -> None:
     """One layer: a change at position t leaves every earlier output unchanged and changes the
     output at t + 1, which sees it only through attention (the output at t also sees it through
     the residual)."""
-    model = contract_model(attention, n_layers=1)
+    model = contract_model(attention, n_layers=1, **changes)
     tokens, t = random_tokens(1, 40), 25
     with torch.no_grad():
         a, b = model(tokens)[0], model(change(tokens, t))[0]
@@ -67,11 +67,11 @@ def check_causal(attention: str) -> None:
     assert not torch.allclose(a[:, t + 1], b[:, t + 1])
 
 
-def check_blocks_equal_one_pass(attention: str) -> None:
+def check_blocks_equal_one_pass(attention: str, **changes) -> None:
     """Reading a stream block by block with the carried cache gives the outputs of one pass
     over it (blocks of 25, 7 and 1 tokens; S = 48 < 120 tokens). A variant that attends within
     the block only (no history in its cache) gives the outputs of each block read alone."""
-    model = contract_model(attention)
+    model = contract_model(attention, **changes)
     tokens = random_tokens(2, 120)
     with torch.no_grad():
         if not carries_history(model):
@@ -84,11 +84,11 @@ def check_blocks_equal_one_pass(attention: str) -> None:
         torch.testing.assert_close(run_blocks(model, tokens[:, :30], 1), whole[:, :30], **TOL)
 
 
-def check_cache_reaches_back(attention: str) -> None:
+def check_cache_reaches_back(attention: str, **changes) -> None:
     """One layer, blocks of 20: changing a token of block 1 at distance d (1, and 5 where every
     head's span reaches that far) from the first token of block 2 changes that token's output,
     through the cache; for a variant without history it changes no output of block 2."""
-    model = contract_model(attention, n_layers=1)
+    model = contract_model(attention, n_layers=1, **changes)
     shortest = min(min(layer) for layer in model.spans())
     history = carries_history(model)
     tokens = random_tokens(1, 40)
@@ -103,12 +103,12 @@ def check_cache_reaches_back(attention: str) -> None:
                 assert torch.equal(out[:, 20:], base[:, 20:]), distance
 
 
-def check_key_value_cache(attention: str, truncation: str = "head") -> None:
+def check_key_value_cache(attention: str, truncation: str = "head", **changes) -> None:
     """Where ``empty_cache(batch, keys_values=True)`` gives :class:`KeyValueCache` layers,
     reading a stream with them (eval, no_grad) equals reading it with hidden states, and they
     are refused while gradients are enabled. Otherwise the cache stays hidden states and the
     outputs are the same too."""
-    model = contract_model(attention, truncation=truncation)
+    model = contract_model(attention, truncation=truncation, **changes)
     caches = model.empty_cache(2, keys_values=True)
     keys_values = all(isinstance(c, KeyValueCache) for c in caches)
     assert keys_values or all(isinstance(c, torch.Tensor) for c in caches)
@@ -123,10 +123,10 @@ def check_key_value_cache(attention: str, truncation: str = "head") -> None:
             model(tokens[:, :5], caches)
 
 
-def check_gradients(attention: str) -> None:
+def check_gradients(attention: str, **changes) -> None:
     """A training step (dropout on, two blocks, the second reading the cache of the first)
     gives every parameter a finite, nonzero gradient; the carried cache holds no graph."""
-    model = tiny(attention, dropout=0.2).train()
+    model = tiny(attention, dropout=0.2, **changes).train()
     tokens = random_tokens(2, 21)
     log_probs, cache = model(tokens[:, :10])
     log_probs, cache = model(tokens[:, 10:20], cache)
@@ -138,14 +138,14 @@ def check_gradients(attention: str) -> None:
     assert all(not c.requires_grad for c in cache)
 
 
-def check_train_step(attention: str) -> None:
+def check_train_step(attention: str, **changes) -> None:
     """``train_step`` carries a :class:`StreamCache` for every variant: two steps with the
     batch in 2 slices give the losses, gradients and caches of the whole batch."""
     results = []
     for split in (1, 2):
         config = TrainConfig(batch_size=4, batch_split=split, optimizer="adamw", lr=1e-3,
                              warmup=0, clip=0.0)
-        model = tiny(attention).train()
+        model = tiny(attention, **changes).train()
         optimizer = build_optimizer(model, config)
         scheduler = build_scheduler(optimizer, config)
         cache, seen = StreamCache(model.empty_cache(4)), []
@@ -169,10 +169,10 @@ def check_train_step(attention: str) -> None:
 # --- every registered variant ---------------------------------------------------------------
 
 
-def check_runs_in_its_parameters_dtype(attention: str) -> None:
+def check_runs_in_its_parameters_dtype(attention: str, **changes) -> None:
     """``model.to(dtype)`` runs in that dtype, without autocast, cache carried: float64 equals
     float32, bfloat16 stays close (its own rounding), through both caches."""
-    model = tiny(attention)
+    model = tiny(attention, **changes)
     x = random_tokens(2, 24)
     with torch.no_grad():
         expected = [model(x[:, :12])[0], model(x[:, 12:], model(x[:, :12])[1])[0]]
@@ -202,6 +202,18 @@ def test_contract(check, attention):
 @pytest.mark.parametrize("truncation", TRUNCATIONS)
 def test_key_value_cache_equals_hidden_state_cache(attention, truncation):
     check_key_value_cache(attention, truncation)
+
+
+def shares_spans_per_layer(attention: str) -> bool:
+    """Whether the variant's heads share one learned span with ``span_per="layer"``."""
+    return ATTENTIONS[attention](tiny_config(attention, span_per="layer")).span.per_layer
+
+
+@pytest.mark.parametrize("attention", [name for name in VARIANTS if shares_spans_per_layer(name)])
+@pytest.mark.parametrize("check", [*CHECKS, check_key_value_cache],
+                         ids=lambda check: check.__name__[len("check_"):])
+def test_contract_with_one_span_per_layer(check, attention):
+    check(attention, span_per="layer")
 
 
 # --- a variant added outside the package ------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from adaspan import ModelConfig, SpanLM
 from adaspan.data import encode
-from adaspan.evaluate import evaluate
+from adaspan.evaluate import evaluate, short_context
 
 CONFIG = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
                      span_bucket=8, dropout=0.3)
@@ -97,3 +98,52 @@ def test_bfloat16_evaluation_is_close_to_float32():
     assert half["chars"] == full["chars"]
     assert half["bpc"] == pytest.approx(full["bpc"], abs=0.05)
     assert half["bpc"] != full["bpc"]  # autocast did run the products in bf16
+
+
+def context_before(stream_len: int, block_size: int, carried: int) -> list[int]:
+    """Characters of its stream before each target, block by block: the cache holds up to
+    ``carried`` of the stream's past (0: nothing is carried), the block its own."""
+    context, history = [], 0
+    for start in range(0, stream_len, block_size):
+        block = min(block_size, stream_len - start)
+        context += [history + k for k in range(block)]
+        history = min(history + block, carried)
+    return context
+
+
+@pytest.mark.parametrize(("attention", "longest", "short"), [
+    ("adaptive", 45.0, 3 * 45),  # the cache holds the longest span: the first 45 of a stream
+    ("vanilla", 15.0, 3 * (4 * 15 + 9)),  # no cache: all but the last of each block of 16
+])
+def test_card_counts_the_characters_scored_with_less_than_the_longest_span(attention, longest,
+                                                                           short):
+    model = (random_model() if attention == "adaptive"  # spans 20 and 45
+             else SpanLM(replace(CONFIG, attention=attention)))
+    result = evaluate(model, TEXT, batch_size=3, block_size=16)
+    result.update(short_context(model, result))
+    n = (len(TEXT) - 1) // 3  # 73 targets per stream
+    assert (result["streams"], result["stream_chars"], result["block_size"]) == (3, n, 16)
+    assert result["chars"] == 3 * n and result["longest_span"] == longest
+    assert len(result["cache_positions"]) == CONFIG.n_layers
+    carried = max(result["cache_positions"])
+    assert result["cache_carried"] == (carried > 0) == (attention == "adaptive")
+    assert result["short_context_chars"] == short == 3 * sum(
+        c < longest for c in context_before(n, 16, carried))
+
+
+def test_one_stream_scores_with_full_context_what_many_streams_score_with_less():
+    """One layer (the context of a layer's input is then that of its keys): the targets with
+    the longest span before them score as in one stream; the others are the card's count."""
+    torch.manual_seed(0)
+    model = SpanLM(replace(CONFIG, n_layers=1))
+    model.set_spans([[20.0, 45.0]])
+    one = evaluate(model, TEXT, batch_size=1, block_size=16, token_logprobs=True)
+    three = evaluate(model, TEXT, batch_size=3, block_size=16, token_logprobs=True)
+    n = three["stream_chars"]
+    assert short_context(model, one) == {"longest_span": 45.0, "short_context_chars": 45}
+    assert short_context(model, three)["short_context_chars"] == 3 * 45
+    full = np.arange(n) >= 45
+    for b, scored in enumerate(three["token_logprobs"].reshape(3, n)):
+        alone = one["token_logprobs"][b * n : (b + 1) * n]
+        np.testing.assert_allclose(scored[full], alone[full], atol=1e-5)
+        assert (b == 0) == np.allclose(scored[~full], alone[~full], atol=1e-5)

@@ -28,8 +28,9 @@ def _tokens(model, length: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("prompt", [3, 70])  # before and after the ring (S = 64) wraps
-@pytest.mark.parametrize("changes", [{}, {"position_table": "layer"}, {"truncation": "none"}],
-                         ids=["", "layer-positions", "no-truncation"])
+@pytest.mark.parametrize("changes", [{}, {"position_table": "layer"}, {"truncation": "none"},
+                                     {"span_per": "layer"}],
+                         ids=["", "layer-positions", "no-truncation", "one-span-per-layer"])
 @pytest.mark.parametrize("name", span_variants())
 def test_decoder_gives_the_log_probabilities_of_one_forward_pass(name, changes, prompt):
     model = tiny(name, **changes)

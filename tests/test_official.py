@@ -1,5 +1,6 @@
 """convert-official: checkpoints of the authors' code, scored against a naive computation of
-their equations written here from their tensors (their model code is never imported)."""
+their equations written here from their tensors, or (persistent memory) against the output of
+their code saved by scripts/make_persistent_fixture.py (their model code is never imported)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import json
 import math
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from adaspan.checkpoint import WEIGHTS_FILE, load_model, load_weights, save_config
 from adaspan.cli import main
@@ -272,16 +274,13 @@ def test_generate_refuses_a_vocabulary_that_is_not_bytes(adaptive_run, tmp_path,
     assert "'_'" in one_line_error(capsys)
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"layers.0.attn.attn.persistent_memory.key": torch.zeros(HEADS, 4, 3)}, "persistent memory"),
-    ({"in_emb.emb_layers.0.weight": torch.zeros(3, 4)}, "adaptive input/output"),
-])
-def test_unsupported_checkpoints(extra, message, tmp_path, data_dir, vocab, capsys):
+def test_unsupported_checkpoints(tmp_path, data_dir, vocab, capsys):
+    extra = {"in_emb.emb_layers.0.weight": torch.zeros(3, 4)}
     path = save_authors_checkpoint(tmp_path / "c.pt", {**authors_state(len(vocab)), **extra})
     assert main(["convert-official", str(path), str(tmp_path / "run"), "--data",
                  str(data_dir)]) != 0
     line = one_line_error(capsys)
-    assert message in line and "not support" in line
+    assert "adaptive input/output" in line and "not support" in line
     assert not (tmp_path / "run").exists()
 
 
@@ -317,6 +316,52 @@ def test_unknown_symbol_names_symbol_and_line(adaptive_run, tmp_path, texts, cap
                  "--device", "cpu"]) != 0
     line = one_line_error(capsys)
     assert "'999'" in line and "line 3" in line and "valid.txt" in line
+
+
+# ------------------------------------------------- persistent memory: their code's own output
+
+PERSISTENT = Path(__file__).parent / "fixtures" / "persistent"
+
+
+@pytest.fixture(scope="module")
+def persistent_case(tmp_path_factory):
+    """The fixture of scripts/make_persistent_fixture.py (their model code run once): its
+    description, its texts and the data directory written from them."""
+    case = json.loads((PERSISTENT / "cases.json").read_text())
+    texts = {split: text.encode() for split, text in case["texts"].items()}
+    return case, texts, write_data(tmp_path_factory.mktemp("persistent") / "data", **texts)
+
+
+@pytest.mark.parametrize("span", ["adaptive", "fixed"])
+def test_persistent_memory_checkpoint_matches_the_authors_code(span, persistent_case, tmp_path):
+    case, texts, data = persistent_case
+    order: dict[str, None] = {}  # their dictionary: first appearance over train, valid, test
+    for split in ("train", "valid", "test"):
+        order.update(dict.fromkeys(symbols_of(texts[split])))
+    assert case["tokens"] == [list(order).index(s) for s in symbols_of(texts[case["split"]])]
+    assert case["ramp"] == R
+    run = convert(tmp_path, load_file(PERSISTENT / f"{span}.safetensors"), data)
+    config = load_model(run).config
+    assert (config.attention, config.persistent_span, config.persistent_size,
+            config.feed_forward, config.max_span) == (
+        "persistent", span, case["persistent_size"], False, case["max_span"])
+    if span == "adaptive":
+        want = [[min(S, c * S + 1 + R) for c in layer] for layer in case["current_val"]]
+        np.testing.assert_allclose(load_model(run).spans(), want, atol=1e-4)
+    got, _ = scored(run, data, tmp_path, "--split", case["split"])
+    np.testing.assert_allclose(got, np.load(PERSISTENT / f"{span}.npy"), rtol=0, atol=1e-4)
+
+
+def test_persistent_memory_holds_their_span_once(persistent_case, tmp_path, capsys):
+    """Their persistent memory holds the layer's adaptive span again: the two must agree."""
+    data = persistent_case[2]
+    state = load_file(PERSISTENT / "adaptive.safetensors")
+    again = "layers.1.attn.attn.persistent_memory.adaptive_span._mask.current_val"
+    state[again] = state[again] + 0.1
+    path = save_authors_checkpoint(tmp_path / "c.pt", state)
+    assert main(["convert-official", str(path), str(tmp_path / "run"), "--data",
+                 str(data)]) != 0
+    assert again in one_line_error(capsys)
 
 
 # ----------------------------------------------------------- --token-logprobs, ordinary runs

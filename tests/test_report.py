@@ -40,7 +40,7 @@ from adaspan.train import train
 
 MODEL = replace(TRAIN_MODEL, dropout=0.1)
 LIMITS = (16, 32, 64, 128)
-FIGURES = ["fig-bpc", "fig-span-history", "fig-spans", "fig-cost"]
+FIGURES = ["fig-bpc", "fig-span-history", "fig-head-spans", "fig-spans", "fig-cost"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -78,8 +78,7 @@ def test_report_embeds_every_figure(reports, attention):
     page, _ = reports[attention]
     expected = FIGURES + (["fig-dynamic"] if attention == "dynamic" else [])
     assert re.findall(r"<section id='(fig-[a-z-]+)'>", page) == sorted(
-        expected, key=["fig-bpc", "fig-span-history", "fig-spans", "fig-cost",
-                       "fig-dynamic"].index)
+        expected, key=[*FIGURES, "fig-dynamic"].index)
     images = _images(page)
     assert len(images) == len(expected)
     assert all(image.startswith(PNG) and len(image) > 5000 for image in images)
@@ -202,10 +201,24 @@ def test_old_runs_without_per_layer_records_draw_the_overall_spans(runs, tmp_pat
     shutil.copytree(runs["adaptive"], run_dir)
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    metrics.write_text("".join(json.dumps({k: v for k, v in r.items() if "layer" not in k})
+    metrics.write_text("".join(json.dumps({k: v for k, v in r.items()
+                                           if "layer" not in k and k != "head_spans"})
                                + "\n" for r in records))
     page = write_report(run_dir, limits=(32,), memory=False).read_text()
-    assert "hold no per-layer spans" in page and len(_images(page)) == len(FIGURES)
+    assert "hold no per-layer spans" in page and "hold no per-head spans" in page
+    assert len(_images(page)) == len(FIGURES) - 1  # no figure of each head's span
+
+
+@pytest.mark.parametrize("attention", ["adaptive", "dynamic"])
+def test_report_holds_each_heads_span_at_every_record(runs, reports, attention):
+    page, data = reports[attention]
+    records = [json.loads(line) for line in (runs[attention] / "metrics.jsonl").read_text()
+               .splitlines()]
+    history = data["head_spans"]
+    assert history["steps"] == [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [[[r["head_spans"][i][h] for r in records] for h in range(MODEL.n_heads)]
+            for i in range(MODEL.n_layers)] == history["spans"]
+    assert f"dotted: R = {MODEL.ramp}" in page and "a line per head" in page
 
 
 def test_missing_matplotlib_is_a_one_line_error(runs, monkeypatch, capsys):

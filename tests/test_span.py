@@ -4,12 +4,16 @@ declares (learned, varying per token)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from helpers import span_attention, tiny
+from helpers import TRAIN_MODEL, run_quietly, span_attention, tiny, tiny_config, tiny_train_config
 from reference import distances_that_move
 
 from adaspan import ModelConfig, SpanLM, soft_mask
+from adaspan.checkpoint import load_model
+from adaspan.model import parameter_count
 from adaspan.registry import ATTENTIONS
 from adaspan.span import AdaptiveSpan, DynamicSpan, FixedSpan
 
@@ -161,3 +165,86 @@ def test_last_spans_are_those_of_every_token_of_the_last_pass():
     span.set_spans(torch.full((4,), 20.0))
     with pytest.raises(RuntimeError, match="no forward pass"):
         span.last_spans()
+
+
+# --- one span per layer (span_per="layer") -------------------------------------------------------
+
+PER_LAYER_SPANS = [lambda: AdaptiveSpan(4, 64, 8, per_layer=True),
+                   lambda: DynamicSpan(4, 64, 8, d_model=16, per_layer=True)]
+
+
+def per_head_copy(model: SpanLM) -> SpanLM:
+    """The same model with one span per head, every head given its layer's z (or v, b)."""
+    per_head = SpanLM(replace(model.config, span_per="head")).to(model.embed.weight)
+    state = {name: p.expand(per_head.state_dict()[name].shape) if ".span." in name else p
+             for name, p in model.state_dict().items()}
+    per_head.load_state_dict(state)
+    return per_head.train(model.training)
+
+
+@pytest.mark.parametrize("attention", ["adaptive", "dynamic"])
+def test_one_span_per_layer_equals_equal_spans_per_head(attention):
+    """Forward, loss with the penalty, and gradients: the shared z's gradient is the sum of the
+    heads' gradients, every other gradient is the same."""
+    shared = tiny(attention, span_per="layer", span_loss_coef=0.1).double()
+    per_head = per_head_copy(shared)
+    tokens = torch.randint(0, 32, (2, 30))
+    losses = []
+    for model in (shared, per_head):
+        log_probs, cache = model(tokens[:, :15])
+        log_probs, _ = model(tokens[:, 15:], cache)
+        losses.append(-log_probs[:, :-1].gather(-1, tokens[:, 16:, None]).mean()
+                      + model.span_loss())
+        losses[-1].backward()
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-12, rtol=0)
+    assert shared.spans() == per_head.spans()
+    heads = dict(per_head.named_parameters())
+    for name, p in shared.named_parameters():
+        want = heads[name].grad.sum(0, keepdim=True) if ".span." in name else heads[name].grad
+        torch.testing.assert_close(p.grad, want, atol=1e-12, rtol=1e-9, msg=name)
+        assert p.grad.abs().sum() > 0, name  # the span too: the test would see a wrong sum
+
+
+@pytest.mark.parametrize(("attention", "per_head"), [("adaptive", 1), ("dynamic", 16 + 1)])
+def test_one_span_per_layer_has_one_span_parameter_set_per_layer(attention, per_head):
+    """z' (adaptive) or v, b (dynamic): H sets per layer become one."""
+    config = tiny_config(attention)
+    saved = parameter_count(config) - parameter_count(replace(config, span_per="layer"))
+    assert saved == config.n_layers * (config.n_heads - 1) * per_head
+    model = tiny(attention, span_per="layer")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if ".span." in n}
+    assert set(shapes.values()) == ({(1,)} if attention == "adaptive" else {(1,), (1, 16)})
+
+
+def test_a_shared_span_is_penalised_once_per_head():
+    """lambda/M sum z with a layer's z counted for each of its M heads: as M heads of span z."""
+    model = tiny("adaptive", span_per="layer", span_loss_coef=1e-3)
+    model.set_spans([[20.0] * 4, [45.5] * 4])
+    z = [20.0 - 8, 45.5 - 8]  # z = span - R
+    assert model.span_loss().item() == pytest.approx(1e-3 / 4 * 4 * sum(z), rel=1e-6)
+    assert model.spans() == [[20.0] * 4, [45.5] * 4]
+
+
+@pytest.mark.parametrize("make", PER_LAYER_SPANS)
+def test_one_span_per_layer_is_set_and_read_for_every_head(make):
+    span = make()
+    span.set_spans(torch.full((4,), 30.5))
+    assert span.spans().tolist() == pytest.approx([30.5] * 4, abs=1e-3)
+    z = span(torch.randn(2, 3, 16))
+    assert z.shape[1] == 4 and span.windows(z) == [31] * 4
+    assert span.z_penalty().item() == pytest.approx(4 * 22.5, rel=1e-4)  # before a forward pass
+    with pytest.raises(ValueError, match=r"share one span \(span_per='layer'\), got 8, 9, 8, 8"):
+        span.set_spans(torch.tensor([8.0, 9.0, 8.0, 8.0]))
+
+
+def test_one_span_per_layer_resumes_exactly(tmp_path, corpus_file):
+    """Training saves and resumes the shared spans (z' of shape (1,)) bit for bit."""
+    model = replace(TRAIN_MODEL, span_per="layer")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_quietly(straight, tiny_train_config(corpus_file, steps=6), model)
+    run_quietly(resumed, tiny_train_config(corpus_file, steps=3), model)
+    run_quietly(resumed, tiny_train_config(corpus_file, steps=6), model, resume=True)
+    a, b = load_model(straight).state_dict(), load_model(resumed).state_dict()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert a["layers.0.attn.span.z_frac"].shape == (1,)
+    assert a["layers.0.attn.span.z_frac"].item() != TRAIN_MODEL.span_init  # it trained

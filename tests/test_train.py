@@ -33,10 +33,10 @@ from adaspan.data import load_corpus
 from adaspan.errors import UserError
 from adaspan.evaluate import evaluate
 from adaspan.optim import build_optimizer, build_scheduler, lr_factor
-from adaspan.train import Diverged, RunComplete, train, train_step
+from adaspan.train import Diverged, RunComplete, span_warnings, train, train_step
 
 RECORD_FIELDS = {"step", "train_bpc", "valid_bpc", "lr", "chars_per_s", "avg_span", "max_span",
-                 "layer_avg_span", "layer_max_span", "elapsed"}
+                 "layer_avg_span", "layer_max_span", "head_spans", "elapsed"}
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -125,6 +125,10 @@ def test_metrics_records_hold_every_field_and_the_lr_schedule(tmp_path, corpus_f
         assert all(a <= m for a, m in zip(layer_avg, layer_max, strict=True))
         assert max(layer_max) == pytest.approx(record["max_span"])
         assert sum(layer_avg) / TRAIN_MODEL.n_layers == pytest.approx(record["avg_span"])
+        heads = record["head_spans"]  # every head, to 0.1 token
+        assert [len(layer) for layer in heads] == [TRAIN_MODEL.n_heads] * TRAIN_MODEL.n_layers
+        assert [max(layer) for layer in heads] == pytest.approx(layer_max, abs=0.05)
+        assert [sum(layer) / len(layer) for layer in heads] == pytest.approx(layer_avg, abs=0.05)
     assert [r["valid_bpc"] is not None for r in lines] == [False, False, True, False, False, True]
     # step s is optimiser update s - 1: warm-up 0, 1/4, 2/4, 3/4, then 1, then lr/10 (last 2)
     expected = [0.0, 0.25, 0.5, 0.75, 0.1, 0.1]
@@ -140,6 +144,42 @@ def _has_tensorboard() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_span_warnings_name_the_layers_at_their_minimum_and_the_heads_at_s():
+    config = dataclasses.replace(TRAIN_MODEL, span_loss_coef=2e-6)  # R = 8, S = 64
+    floored = [[30.0, 64.0], [8.0, 8.0]]  # layer 1: z = 0 for both heads; layer 0 head 1 at S
+    warnings = span_warnings(floored, config, before=[[12.0, 40.0], [8.0, 8.2]])
+    assert warnings.keys() == {"minimum", "limit"}
+    assert "every head of layer 1 stayed at its minimum span R = 8" in warnings["minimum"]
+    for advice in ("larger ramp (now 8)", "span_init > 0 (now 0.3)",
+                   "smaller span_loss_coef (now 2e-06)"):
+        assert advice in warnings["minimum"]
+    assert "layer 0 head 1 reached S = 64" in warnings["limit"]
+    assert "raise max_span" in warnings["limit"]
+    assert span_warnings(floored, config).keys() == {"limit"}  # one record: not "stayed"
+    assert span_warnings(floored, config, [[8.0, 8.0], [8.0, 9.0]]).keys() == {"limit"}
+    assert span_warnings([[8.0, 8.0], [8.0, 8.0]], config, [[8.0] * 2] * 2)["minimum"].startswith(
+        "every head of layers 0, 1 ")
+    assert span_warnings([[8.0, 63.0], [8.4, 9.0]], config, [[8.0, 8.0], [8.0, 8.0]]) == {}
+
+
+@pytest.mark.parametrize("attention", ["adaptive", "fixed"])
+def test_spans_stuck_at_their_minimum_are_warned_about_once(tmp_path, corpus_file, attention):
+    """A heavy penalty keeps every z at 0 from the start (span_init = 0): warned once, at the
+    first record a warm-up after the end of the warm-up; a fixed span (at S) is not learned."""
+    model = dataclasses.replace(TRAIN_MODEL, attention=attention, span_init=0.0,
+                                span_loss_coef=1.0)
+    lines = []
+    train(model, tiny_train_config(corpus_file, steps=7, warmup=2, log_interval=1),
+          tmp_path, progress=False, log=lines.append)
+    warnings = [line for line in lines if "warning" in line]
+    if attention == "fixed":
+        assert warnings == []
+        return
+    assert len(warnings) == 1 and warnings[0].startswith("step 4: warning: every head of "
+                                                         "layers 0, 1 stayed at its minimum")
+    assert records(tmp_path)[-1]["head_spans"] == [[8.0, 8.0], [8.0, 8.0]]
 
 
 def test_saved_model_reproduces_the_final_validation(tmp_path, corpus_file):

@@ -34,12 +34,14 @@ def flops_per_char(model, block_size: int = 512) -> float:
 
     Per layer: the attention's count (projections and ``2 * d_head`` per attended key, see
     :meth:`adaspan.attention.Attention.flops_per_char`) and the feed-forward
-    (``2 * d * d_inner``); then the output layer (``d * V``). Embedding lookups, layer norms,
-    softmax and biases are not counted. Throughputs in GFLOP/s count 2 FLOPs per multiply-add.
+    (``2 * d * d_inner``, where the layers have one); then the output layer (``d * V``).
+    Embedding lookups, layer norms, softmax and biases are not counted. Throughputs in GFLOP/s
+    count 2 FLOPs per multiply-add.
     """
     cfg = model.config
     attention = sum(layer.attn.flops_per_char(block_size) for layer in model.layers)
-    return attention + cfg.n_layers * 2 * cfg.d_model * cfg.d_inner + cfg.d_model * cfg.vocab_size
+    feed_forward = cfg.n_layers * 2 * cfg.d_model * cfg.d_inner if cfg.feed_forward else 0
+    return attention + feed_forward + cfg.d_model * cfg.vocab_size
 
 
 def span_table(spans: list[list[float]]) -> str:
@@ -208,6 +210,50 @@ def span_history_figure(events: list[dict], max_span: int | None = None):
     return fig
 
 
+def head_span_history(events: list[dict]) -> dict:
+    """The span of every head at each record of ``events`` holding them (``head_spans``):
+    ``steps``, and ``spans`` as layers x heads x records (both empty when no record has them:
+    runs recorded before they were)."""
+    kept = [e for e in events if e.get("head_spans")]
+    shape = [len(layer) for layer in kept[-1]["head_spans"]] if kept else []
+    kept = [e for e in kept if [len(layer) for layer in e["head_spans"]] == shape]
+    return {"steps": [e["step"] for e in kept],
+            "spans": [[[e["head_spans"][i][h] for e in kept] for h in range(n)]
+                      for i, n in enumerate(shape)]}
+
+
+def head_spans_figure(history: dict, max_span: int, ramp: int):
+    """Each head's span against the step (:func:`head_span_history`, at least one record): a
+    panel per layer, a line per head, with R (the smallest span, z = 0) dotted and S dashed;
+    log scale."""
+    plt = _pyplot()
+    spans = history["spans"]
+    cols = min(4, len(spans))
+    rows = -(-len(spans) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(min(13, 3.2 * cols + 1.5), 2.4 * rows + 0.8),
+                             sharex=True, sharey=True, squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i >= len(spans):
+            ax.set_visible(False)
+            continue
+        for h, values in enumerate(spans[i]):
+            ax.plot(history["steps"], values, linewidth=1.2, label=f"head {h}",
+                    color=plt.cm.viridis(h / max(1, len(spans[i]) - 1)))
+        ax.axhline(max_span, color="grey", linestyle="--", linewidth=1, label=f"S = {max_span}")
+        ax.axhline(ramp, color="grey", linestyle=":", linewidth=1, label=f"R = {ramp}")
+        ax.set_title(f"layer {i}", fontsize=9)
+        ax.grid(alpha=0.3)
+        if i + cols >= len(spans):  # the lowest panel of its column
+            ax.set_xlabel("step")
+            ax.tick_params(labelbottom=True)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("span (tokens)")
+    values = [v for layer in spans for head in layer for v in head]
+    span_axis(axes[0, 0], min([*values, ramp]), max([*values, max_span]))
+    axes[0, -1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    return fig
+
+
 def _layer_lines(ax, events: list[dict], key: str, plt) -> None:
     n_layers = len(events[-1][key])
     steps = [e["step"] for e in events if len(e[key]) == n_layers]
@@ -299,6 +345,33 @@ def compare_figure(runs: dict[str, list[dict]]):
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     axes[2].legend(fontsize=8)
+    return fig
+
+
+SPAN_LIMIT_PANELS = (("valid_bpc", "valid bpc"), ("flops_per_char", "FLOPs per character"),
+                     ("peak_mb", "peak memory of a training step (MB)"),
+                     ("chars_per_s", "training speed (chars/s)"))
+
+
+def span_limit_figure(rows: list[dict]):
+    """The paper's Figure 2 from ``adaspan compare --max-spans`` rows: each method's bpc,
+    FLOPs per character, peak memory and speed against the span limit S (log scale)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(SPAN_LIMIT_PANELS), figsize=(16, 3.8))
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    for i, method in enumerate(methods):
+        mine = sorted((row for row in rows if row["method"] == method),
+                      key=lambda row: row["max_span"])
+        for ax, (key, _) in zip(axes, SPAN_LIMIT_PANELS, strict=True):
+            ax.plot([row["max_span"] for row in mine], [row[key] for row in mine], "o-",
+                    color=plt.cm.tab10(i % 10), label=method)
+    for ax, (_, label) in zip(axes, SPAN_LIMIT_PANELS, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("span limit S")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
     return fig
 
 

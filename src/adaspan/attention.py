@@ -137,12 +137,19 @@ class SpanAttention(Attention):
             zg, z_min = None, None
             if z is not None:
                 zg, z_min = z[:, group.heads], min(bounds[0][h] for h in group.members)
-            outputs.append(banded_attention(q[:, group.heads], k, v, pos[: group.window], zg,
-                                            self.ramp, self.dropout, self.training, z_min=z_min))
+            outputs.append(self._attend(q[:, group.heads], k, v, pos[: group.window], zg,
+                                        z_min, group.heads))
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
         if layout.order is not None:
             out = out[:, layout.order]
         return self.o(out.transpose(1, 2).reshape(B, M, -1)), new_cache
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None,
+                z_min: float | None, heads: slice | Tensor) -> Tensor:
+        """Eqs. 1-3 for the heads ``heads`` of one group, over their window of keys (the band
+        kernel); a subclass may join more keys to their softmax."""
+        return banded_attention(q, k, v, pos, z, self.ramp, self.dropout, self.training,
+                                z_min=z_min)
 
     def _layout(self, windows: tuple[int, ...], device: torch.device) -> _Layout:
         """The head groups of ``windows``, made once per grouping and device (their index
@@ -245,13 +252,16 @@ def fixed_span_attention(config: ModelConfig) -> SpanAttention:
 
 @register_attention("adaptive")
 def adaptive_span_attention(config: ModelConfig) -> SpanAttention:
-    """One learned span z per head (paper §2.2)."""
+    """One learned span z per head (paper §2.2), or per layer (``span_per="layer"``)."""
     return SpanAttention(config, AdaptiveSpan(config.n_heads, config.max_span, config.ramp,
-                                              init=config.span_init))
+                                              init=config.span_init,
+                                              per_layer=config.span_per == "layer"))
 
 
 @register_attention("dynamic")
 def dynamic_span_attention(config: ModelConfig) -> SpanAttention:
-    """A span predicted per token, z_t = S sigmoid(v . x_t + b) (paper §2.2, dynamic)."""
+    """A span predicted per token, z_t = S sigmoid(v . x_t + b) (paper §2.2, dynamic), per head
+    or per layer (``span_per="layer"``)."""
     return SpanAttention(config, DynamicSpan(config.n_heads, config.max_span, config.ramp,
-                                             config.d_model, config.dynamic_bias_init))
+                                             config.d_model, config.dynamic_bias_init,
+                                             per_layer=config.span_per == "layer"))

@@ -4,7 +4,9 @@ A query at position t attends to the ``w`` keys just before it (distances w .. 1
 here compute that band in chunks of queries, each chunk over the ``w + c - 1`` keys it can see,
 so the cost is about ``M (w + c) d_head`` rather than ``M (w + M) d_head``:
 
-- :func:`banded_attention`: eqs. 1-3 for a block of queries (or one query, in generation);
+- :func:`banded_attention`: eqs. 1-3 for a block of queries (or one query, in generation),
+  and on request each query's log-normaliser, log sum_r m_z(d) exp(s_tr), to join other keys
+  (the persistent memory of :mod:`adaspan.persistent`) to the softmax;
 - :class:`_BandSoftmax`: eqs. 1-2 in one pass over a score tile, the relative positions and the
   soft mask added through a strided view of the tile's band;
 - :data:`CHUNKS` and :func:`chunk_size`: queries per chunk by key window;
@@ -13,7 +15,8 @@ so the cost is about ``M (w + c) d_head`` rather than ``M (w + M) d_head``:
 ``torch.compile`` runs both public kernels eagerly (graph breaks) and compiles what is around
 them.
 
-Used by :mod:`adaspan.attention` (span attention) and :mod:`adaspan.baselines`.
+Used by :mod:`adaspan.attention` (span attention), :mod:`adaspan.baselines` and
+:mod:`adaspan.persistent`.
 """
 
 from __future__ import annotations
@@ -124,14 +127,17 @@ class _BandSoftmax(torch.autograd.Function):
     q: (..., c, dh); k_t: (N, dh, L), N the product of the leading dimensions, with
     L = w + c - 1 (key j of the window is column j);
     position: (..., c, w), the position scores in distance layout (column j: distance w - j);
-    log_mask: None, or log m_z of the first ``width`` columns of ``position`` (broadcastable).
+    log_mask: None, or log m_z of the first ``width`` columns of ``position`` (broadcastable);
+    normaliser: return ``(attn, lse)``, also the log-sum-exp of each row's scores (whose
+    gradient flows back to the scores as ``attn`` times it).
     The tile is written once by the product, the positions are added through its band view
     and the band's complement is filled with -inf in place (no skew copy, no separate score
     tiles); the backward reads the gradients of ``position`` and ``log_mask`` from the band.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k_t: Tensor, position: Tensor, log_mask: Tensor | None):
+    def forward(ctx, q: Tensor, k_t: Tensor, position: Tensor, log_mask: Tensor | None,
+                normaliser: bool = False):
         lead, (c, w) = position.shape[:-2], position.shape[-2:]
         ctx.shapes = q.shape, k_t.shape
         q, k_t = q.flatten(0, -3), k_t.flatten(0, -3)  # (N, c, dh), (N, dh, L)
@@ -143,15 +149,19 @@ class _BandSoftmax(torch.autograd.Function):
         if log_mask is not None:
             band[..., : log_mask.shape[-1]].add_(log_mask)
         _band(scores, c, start=w).fill_(-math.inf)
+        lse = torch.logsumexp(scores, -1) if normaliser else None
         attn = _softmax_in_place(scores)  # the tile is ours
         ctx.save_for_backward(q, k_t, attn)
         ctx.log_mask = None if log_mask is None else (log_mask.shape, log_mask.dtype)
-        return attn
+        return (attn, lse) if normaliser else attn
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx, grad: Tensor, grad_lse: Tensor | None = None
+                 ) -> tuple[Tensor | None, ...]:
         q, k_t, attn = ctx.saved_tensors
         scores = _softmax_backward(grad, attn)  # 0 off the band
+        if grad_lse is not None:  # d lse / d s = attn
+            scores = scores.addcmul_(attn, grad_lse[..., None])
         w = scores.shape[-1] - scores.shape[-2] + 1
         s, (q_shape, k_shape) = scores.to(q.dtype).flatten(0, -3), ctx.shapes
         grad_q = (s @ k_t.transpose(-1, -2)).view(q_shape) if ctx.needs_input_grad[0] else None
@@ -161,7 +171,7 @@ class _BandSoftmax(torch.autograd.Function):
         if ctx.log_mask is not None and ctx.needs_input_grad[3]:
             shape, dtype = ctx.log_mask
             grad_mask = band[..., : shape[-1]].sum_to_size(shape).to(dtype)
-        return grad_q, grad_k, band.to(q.dtype), grad_mask
+        return grad_q, grad_k, band.to(q.dtype), grad_mask, None
 
 
 class _Windows(torch.autograd.Function):
@@ -228,7 +238,8 @@ def banded_attention(
     training: bool = False,
     chunk: int | None = None,
     z_min: float | None = None,
-) -> Tensor:
+    normaliser: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of each query over the ``w`` keys just before it, with relative positions.
 
     q: (B, H, M, dh) queries; k, v: (B, H, w + M, dh) keys/values, the last M aligned with the
@@ -237,12 +248,16 @@ def banded_attention(
     to (B, H, M). Queries are processed in chunks of ``c``, each over a window of ``w + c - 1``
     keys, so the cost is about M * (w + c) * dh rather than M * (w + M) * dh; ``c`` is
     :func:`chunk_size` unless ``chunk`` is given. ``z_min``, the least z on the host, saves
-    reading it from the device (a host-device synchronisation).
+    reading it from the device (a host-device synchronisation). With ``normaliser``, returns
+    ``(out, lse)``, lse (B, H, M) the log of each query's softmax denominator,
+    log sum_r m_z(d) exp(s_tr), in the scores' dtype (fp32 for a block's bf16 product): the
+    output of the same attention with more keys joined to its softmax is then a mixture of
+    ``out`` and theirs (dropout, on the weights, commutes with that scaling).
     """
     M, dh = q.shape[2:]
     w = pos.shape[0]
     if M == 1:
-        return _one_query_attention(q, k, v, pos, z, ramp, dropout, training)
+        return _one_query_attention(q, k, v, pos, z, ramp, dropout, training, normaliser)
     c = min(M, chunk) if chunk else chunk_size(M, w, q.device.type)
     n = -(-M // c)
     if z is not None and z_min is None:
@@ -265,10 +280,11 @@ def banded_attention(
     k_win, v_win = (_windows(t, length, c, n) for t in (k, v))  # (B, H, n, L, dh)
     # keys gathered row-wise (a copy only for several chunks), then read transposed by the BLAS
     k_t = k_win.flatten(0, 2).transpose(-1, -2)  # (B*H*n, dh, L)
-    attn = _BandSoftmax.apply(q, k_t, position, log_mask)  # eqs. 1-2
+    attn = _BandSoftmax.apply(q, k_t, position, log_mask, normaliser)  # eqs. 1-2
+    attn, lse = attn if normaliser else (attn, None)
     attn = F.dropout(attn, dropout, training)
-    out = attn.to(v_win.dtype) @ v_win  # eq. 3, (B, H, n, c, dh); attn is fp32
-    return out.flatten(2, 3)[:, :, :M]
+    out = (attn.to(v_win.dtype) @ v_win).flatten(2, 3)[:, :, :M]  # eq. 3; attn is fp32
+    return (out, lse.flatten(2, 3)[:, :, :M]) if normaliser else out
 
 
 def _windows(x: Tensor, length: int, step: int, n: int) -> Tensor:
@@ -280,8 +296,8 @@ def _windows(x: Tensor, length: int, step: int, n: int) -> Tensor:
 
 def _one_query_attention(
     q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None, ramp: int,
-    dropout: float, training: bool,
-) -> Tensor:
+    dropout: float, training: bool, normaliser: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`banded_attention` of a single query (generation): keys 0 .. w-1 at distances
     w .. 1, scored directly, without chunks or skew."""
     w = pos.shape[0]
@@ -291,4 +307,5 @@ def _one_query_attention(
         distance = torch.arange(w, 0, -1, device=q.device, dtype=torch.float32)
         scores = scores + log_soft_mask(distance, z[..., None], ramp)  # eq. 2
     attn = F.dropout(torch.softmax(scores, dim=-1), dropout, training)
-    return attn.to(v.dtype) @ v[:, :, :w]  # eq. 3
+    out = attn.to(v.dtype) @ v[:, :, :w]  # eq. 3
+    return (out, torch.logsumexp(scores, -1)) if normaliser else out

@@ -212,7 +212,9 @@ def _add_evaluate(commands) -> None:
     p.add_argument("--split", choices=("train", "valid", "test"), default="valid",
                    help="the part of the corpus to score")
     p.add_argument("--batch-size", type=_positive_int, default=8,
-                   help="parallel streams (paper: 8)")
+                   help="parallel streams (paper: 8); each starts without context, so the "
+                   "first characters of each have less of it: 1 scores the split as one "
+                   "stream")
     p.add_argument("--block-size", type=_positive_int,
                    help="characters per block (default: the run's)")
     p.add_argument("--max-chars", type=_positive_int,
@@ -228,9 +230,15 @@ def _add_evaluate(commands) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    """Bits per character of a trained model on a split."""
+    """Bits per character of a trained model on a split.
+
+    The split is cut into as many streams as the batch size, read block by block, the cache
+    carried from one block to the next. The output says what was scored: characters, streams,
+    block size, the cache carried, and how many characters were scored with less context than
+    the longest span (the first ones of each stream; a batch size of 1 scores the split as one
+    stream)."""
     from .checkpoint import load_model, read_config
-    from .evaluate import evaluate
+    from .evaluate import evaluate, short_context
     from .official import run_split
 
     _use_threads(args)
@@ -243,12 +251,29 @@ def _evaluate(args: argparse.Namespace) -> int:
                       token_logprobs=args.token_logprobs is not None)
     if args.token_logprobs is not None:
         np.save(args.token_logprobs, result.pop("token_logprobs"))
-    result = {**result, "split": args.split, "data": name, "dtype": args.dtype}
+    result = {**result, **short_context(model, result), "split": args.split, "data": name,
+              "dtype": args.dtype}
     if args.json:
         print(json.dumps(_rounded(result)))
     else:
         print(f"{name} {args.split}: {result['bpc']:.4f} bpc over {result['chars']:,} {unit}s")
+        print(_evaluation_card(result, unit))
     return 0
+
+
+def _evaluation_card(result: dict, unit: str) -> str:
+    """What :func:`adaspan.evaluate.evaluate` scored and how, for people, indented."""
+    cache = (f"yes, up to {max(result['cache_positions']):,} positions per stream"
+             if result["cache_carried"] else "no, each block starts without context")
+    short, longest = result["short_context_chars"], result["longest_span"]
+    streams = "1 stream" if result["streams"] == 1 else f"{result['streams']} streams"
+    return "\n".join([
+        f"  {result['split']} split: {result['chars']:,} {unit}s scored in {streams} (batch "
+        f"size) of {result['stream_chars']:,}, blocks of {result['block_size']}",
+        f"  cache carried from block to block: {cache}",
+        f"  {short:,} {unit}s ({short / result['chars']:.2%}) scored with fewer than the "
+        f"longest span ({longest:.1f}) of {unit}s before them: each stream starts without "
+        "context (--batch-size 1: one stream)"])
 
 
 def _add_dtype(p: argparse.ArgumentParser) -> None:
@@ -363,29 +388,67 @@ def _add_inspect(commands) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    """Learned spans, training curves and plots of a run."""
-    from .analysis import plot_curves, plot_spans, read_metrics, span_summary, span_table
+    """Learned spans, training curves and plots of a run.
+
+    Print the span of every head, each head's span at the first and the last record of
+    metrics.jsonl and its largest over the records, and the last record."""
+    from .analysis import (
+        head_span_history,
+        plot_curves,
+        plot_spans,
+        read_metrics,
+        span_summary,
+        span_table,
+    )
     from .checkpoint import load_model
 
     model = load_model(args.run_dir)
     spans = model.spans()
     metrics_file = args.run_dir / "metrics.jsonl"
     events = read_metrics(metrics_file) if metrics_file.exists() else []
+    trajectories = _trajectories(head_span_history(events))
     if args.json:
         print(json.dumps(_rounded({"spans": spans, **span_summary(spans),
-                                   "parameters": model.num_parameters()})))
+                                   "parameters": model.num_parameters(),
+                                   "span_trajectories": trajectories})))
     else:
         cfg = model.config
         print(f"{args.run_dir}: {cfg.attention} attention, {cfg.n_layers} layers x "
               f"{cfg.n_heads} heads, S={cfg.max_span}, {model.num_parameters():,} parameters")
         print(span_table(spans))
+        if trajectories["steps"]:
+            print(_trajectory_table(trajectories))
         for event in events[-1:]:
-            print("last record: " + ", ".join(f"{k}={_readable(k, v)}" for k, v in event.items()))
+            print("last record: " + ", ".join(f"{k}={_readable(k, v)}" for k, v in event.items()
+                                              if k != "head_spans"))  # in the table above
     if args.plot:
         for path in (plot_spans(spans, args.plot / "spans.png", model.config.max_span),
                      plot_curves(events, args.plot / "curves.png")):
             print(f"wrote {path}")
     return 0
+
+
+def _trajectories(history: dict) -> dict:
+    """Each head's span at the first record of ``history``
+    (:func:`~adaspan.analysis.head_span_history`), at the last and the largest over them
+    (layers x heads), and the ``steps`` of the first and last records (empty without any)."""
+    pick = {"start": lambda values: values[0], "now": lambda values: values[-1], "max": max}
+    steps = history["steps"]
+    return {"steps": [steps[0], steps[-1]] if steps else [],
+            **{key: [[of(values) for values in layer] for layer in history["spans"]]
+               for key, of in pick.items()}}
+
+
+def _trajectory_table(trajectories: dict) -> str:
+    """:func:`_trajectories` for people: a line per layer, a cell per head."""
+    first, last = trajectories["steps"]
+    lines = [f"span of each head during training (metrics.jsonl, steps {first:,} to {last:,}): "
+             "start -> now (max)"]
+    for i, layer in enumerate(trajectories["now"]):
+        cells = (f"h{h} {trajectories['start'][i][h]:.1f} -> {now:.1f} "
+                 f"({trajectories['max'][i][h]:.1f})" for h, now in enumerate(layer))
+        lines.append(f"{i:>5d} | " + " | ".join(cells))
+    return "\n".join(lines)
 
 
 def _readable(key: str, value: object) -> str:
@@ -573,6 +636,9 @@ def _add_compare(commands) -> None:
     budget.add_argument("--minutes", type=_positive_float,
                         help="training time of each method")
     budget.add_argument("--steps", type=_positive_int, help="training steps of each method")
+    p.add_argument("--max-spans", type=_span_limits, metavar="S,S,..",
+                   help="train every method with each span limit S and draw bpc, FLOPs, "
+                   "memory and speed against S (the paper's Figure 2)")
     p.add_argument("--out", type=Path, help="output directory (default: runs/compare-TIME)")
     p.add_argument("--test", action="store_true", help="also report test bpc")
     p.add_argument("--eval-chars", type=_positive_int, metavar="N",
@@ -582,14 +648,25 @@ def _add_compare(commands) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _span_limits(text: str) -> list[int]:
+    """``--max-spans 256,512``: span limits, whole numbers separated by commas."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of whole numbers separated by commas, e.g. 256,1024"
+        ) from None
+
+
 def _compare(args: argparse.Namespace) -> int:
     """Train several attention methods on one budget and tabulate them.
 
     Train each method on the same data, with the same seed and budget, then evaluate it and
     write a table in the form of the paper's Table 1 to OUT/compare.md and OUT/compare.csv, and
     the methods' curves side by side (bpc against training time and steps, average span) to
-    OUT/compare_curves.png and OUT/compare.html. Re-running with the same --out reuses the
-    finished runs."""
+    OUT/compare_curves.png and OUT/compare.html. With --max-spans, each method is trained with
+    every span limit, and bpc, FLOPs per character, memory and speed are drawn against it
+    (OUT/compare_max_spans.png). Re-running with the same --out reuses the finished runs."""
     from .checkpoint import new_run_dir
     from .compare import MARKDOWN_FILE, compare
     from .presets import resolve_config
@@ -605,7 +682,7 @@ def _compare(args: argparse.Namespace) -> int:
     out = args.out or new_run_dir("compare")
     methods = [method.strip() for method in args.methods.split(",") if method.strip()]
     rows = compare(methods, model_config, train_config, out, args.test, args.eval_chars,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, max_spans=args.max_spans)
     if args.json:
         print(json.dumps([_rounded(row) for row in rows]))
     else:

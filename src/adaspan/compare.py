@@ -7,13 +7,17 @@ its bpc read back when it was evaluated on the same characters), so an interrupt
 can be re-run cheaply; the table keeps the rows of every such finished method, also those not
 asked for again. With matplotlib, the methods' curves are drawn side by side
 (``compare_curves.png``, ``compare.html``).
+
+With ``max_spans``, every method is trained once per span limit S (``out_dir/<method>-S<S>``),
+and bpc, FLOPs per character, peak memory and speed are drawn against S (the paper's Figure 2,
+``compare_max_spans.png``).
 """
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +30,7 @@ from .analysis import (
     flops_per_char,
     png_bytes,
     require_plots,
+    span_limit_figure,
     span_summary,
 )
 from .checkpoint import RunDirError, atomic_write, load_model, load_run_config, stored_form
@@ -34,6 +39,7 @@ from .data import Corpus, load_corpus
 from .distributed import resolve_device
 from .errors import UserError
 from .evaluate import evaluate
+from .memory import estimate_training_memory
 from .model import SpanLM
 from .page import Column, compare_page
 from .registry import ATTENTIONS
@@ -45,11 +51,14 @@ EVALUATION_FILE = "compare_eval.json"  # and what its evaluation measured
 MARKDOWN_FILE = "compare.md"
 CSV_FILE = "compare.csv"
 COMPARE_FIGURE = "compare_curves.png"
+SPAN_LIMIT_FIGURE = "compare_max_spans.png"
 COMPARE_PAGE = "compare.html"
 FOOTNOTES = (
     "FLOPs/char: forward multiply-adds per character (the paper's FLOPS), attention over the "
     "keys each head uses.",
     "chars/s: training throughput on this machine.",
+    "Peak MB: a training step's peak memory at the final spans, estimated as `adaspan train` "
+    "does before it starts.",
 )
 
 
@@ -68,10 +77,12 @@ def _si(value: float) -> str:
 # Row key, header and cell format of every column, in the order of the table.
 COLUMNS: tuple[Column, ...] = (
     ("method", "Method", str),
+    ("max_span", "S", "{:,}".format),
     ("layers", "#layers", str),
     ("avg_span", "Avg. span", "{:.0f}".format),
     ("params", "#Params", _si),
     ("flops_per_char", "FLOPs/char", _si),
+    ("peak_mb", "Peak MB", "{:,.1f}".format),
     ("chars_per_s", "chars/s", "{:,.0f}".format),
     ("steps", "steps", "{:,}".format),
     ("valid_bpc", "valid bpc", "{:.3f}".format),
@@ -88,42 +99,50 @@ def compare(
     eval_chars: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] = tqdm.write,
+    max_spans: Sequence[int] | None = None,
 ) -> list[dict]:
     """Train every attention method of ``methods`` and return one row per method of the table:
     those of ``methods``, then those of the other methods whose finished run of this
-    configuration is in ``out_dir`` (from an earlier call with more methods).
+    configuration is in ``out_dir`` (from an earlier call with more methods). With
+    ``max_spans``, every method is trained with each span limit S of ``max_spans``: one row per
+    (method, S), S in ``max_span``, and the figure against S.
 
     The first line logged states the budget every method trains for. Row keys: ``method``,
-    ``layers``, ``avg_span``, ``params``, ``flops_per_char``, ``chars_per_s`` (training),
-    ``steps``, ``valid_bpc`` and, if ``evaluate_test``, ``test_bpc``; bpc is measured on the
-    whole split, or its first ``eval_chars`` characters (rounded up to whole blocks). Also
-    writes ``out_dir/compare.md`` and ``out_dir/compare.csv`` and, with matplotlib,
-    ``out_dir/compare_curves.png`` and ``out_dir/compare.html``.
+    ``layers``, ``avg_span``, ``params``, ``flops_per_char``, ``peak_mb``, ``chars_per_s``
+    (training), ``steps``, ``valid_bpc`` and, if ``evaluate_test``, ``test_bpc``; bpc is
+    measured on the whole split, or its first ``eval_chars`` characters (rounded up to whole
+    blocks). Also writes ``out_dir/compare.md`` and ``out_dir/compare.csv`` and, with
+    matplotlib, ``out_dir/compare_curves.png`` (and ``compare_max_spans.png``) and
+    ``out_dir/compare.html``.
     """
     _check_methods(methods)
+    limits = _check_max_spans(max_spans, model_config)
     out_dir = Path(out_dir)
-    log(f"comparing {', '.join(methods)} in {out_dir}: each trains for "
+    against = f" at S = {', '.join(map(str, limits))}" if max_spans else ""
+    log(f"comparing {', '.join(methods)}{against} in {out_dir}: each trains for "
         f"{_budget(train_config)} (set it with --steps N or --minutes M)")
-    configs = _table_configs(methods, model_config, train_config, out_dir)
+    configs = {label: config for limit in limits for label, config in
+               _table_configs(methods, replace(model_config, max_span=limit), train_config,
+                              out_dir, f"-S{limit}" if max_spans else "").items()}
     corpus = load_corpus(train_config.data, train_config.data_dir, progress=progress)
     device = resolve_device(train_config.device)
     splits = ("valid", "test") if evaluate_test else ("valid",)
     rows, learned = [], {}
-    for method, config in configs.items():
-        run_dir = out_dir / method
+    for label, config in configs.items():
+        run_dir = out_dir / label
         summary = _train_or_reuse(config, train_config, run_dir, progress, log)
         model = load_model(run_dir, device)
-        measured = _evaluation(model, run_dir, corpus, splits, train_config.block_size,
-                               eval_chars, progress)
-        rows.append(_row(method, model, summary, measured))
+        measured = _evaluation(model, run_dir, corpus, splits, train_config, eval_chars,
+                               progress)
+        rows.append(_row(model, summary, measured, with_limit=bool(max_spans)))
         if model.span_type.learned:
-            learned[method] = measured["spans"]
+            learned[label] = measured["spans"]
     write_csv(rows, out_dir / CSV_FILE)
     caption = _caption(train_config, eval_chars)
     (out_dir / MARKDOWN_FILE).write_text(f"{caption}\n\n{format_markdown(rows)}")
     log(f"wrote {out_dir / MARKDOWN_FILE} and {out_dir / CSV_FILE}")
     try:
-        page = write_compare_page(out_dir, rows, caption, learned, model_config.max_span)
+        page = write_compare_page(out_dir, rows, caption, learned, max(limits))
     except PlotError as err:
         log(f"no figures: {err}")
     else:
@@ -133,18 +152,27 @@ def compare(
 
 def write_compare_page(out_dir: Path, rows: list[dict], caption: str,
                        learned: dict[str, list[list[float]]], max_span: int) -> Path:
-    """Write ``out_dir/compare_curves.png`` (bpc of every method of ``rows`` against training
-    time and steps, average span) and ``out_dir/compare.html`` (that figure, the table of
-    ``rows`` under ``caption``, and the final spans ``learned`` of each method with learned
-    spans); return the page's path."""
+    """Write ``out_dir/compare_curves.png`` (bpc of every run of ``rows`` against training
+    time and steps, average span), with rows of several span limits
+    ``out_dir/compare_max_spans.png`` (:func:`span_limit_figure`), and ``out_dir/compare.html``
+    (those figures, the table of ``rows`` under ``caption``, and the final spans ``learned``
+    of each run with learned spans, drawn up to ``max_span``); return the page's path."""
     require_plots()
-    runs = {row["method"]: run_events(out_dir / row["method"]) for row in rows}
-    png = png_bytes(compare_figure(runs))
-    (out_dir / COMPARE_FIGURE).write_bytes(png)
+    runs = {run_name(row): run_events(out_dir / run_name(row)) for row in rows}
+    figures = [png_bytes(compare_figure(runs))]
+    (out_dir / COMPARE_FIGURE).write_bytes(figures[0])
+    if "max_span" in rows[0]:
+        figures.append(png_bytes(span_limit_figure(rows)))
+        (out_dir / SPAN_LIMIT_FIGURE).write_bytes(figures[1])
     page = out_dir / COMPARE_PAGE
-    page.write_text(compare_page(out_dir.name, png, caption, rows, _columns(rows), FOOTNOTES,
-                                 learned, max_span))
+    page.write_text(compare_page(out_dir.name, figures, caption, rows, _columns(rows),
+                                 FOOTNOTES, learned, max_span))
     return page
+
+
+def run_name(row: dict) -> str:
+    """The directory, in the comparison's, of the run of ``row``."""
+    return row["method"] + (f"-S{row['max_span']}" if "max_span" in row else "")
 
 
 def _check_methods(methods: list[str]) -> None:
@@ -156,18 +184,31 @@ def _check_methods(methods: list[str]) -> None:
         raise MethodError(f"give each method once (at least one), got {', '.join(methods)!r}")
 
 
+def _check_max_spans(max_spans: Sequence[int] | None, model_config: ModelConfig) -> list[int]:
+    """The span limits to train with: ``max_spans`` (distinct, each valid for the model),
+    else the model's own."""
+    if max_spans is None:
+        return [model_config.max_span]
+    if not max_spans or len(set(max_spans)) != len(max_spans):
+        raise ConfigError(f"give each span limit once (at least one), got {list(max_spans)}")
+    for limit in max_spans:
+        replace(model_config, max_span=limit)  # validates: positive, larger than the ramp, ...
+    return sorted(max_spans)
+
+
 def _table_configs(methods: list[str], model_config: ModelConfig, train_config: TrainConfig,
-                   out_dir: Path) -> dict[str, ModelConfig]:
-    """The model configuration of every method of the table: ``methods``, then the other
-    registered methods with a finished run of this configuration in ``out_dir``."""
-    configs = {method: replace(model_config, attention=method) for method in methods}
+                   out_dir: Path, suffix: str = "") -> dict[str, ModelConfig]:
+    """The model configuration of every method of the table by run name (method + ``suffix``):
+    ``methods``, then the other registered methods with a finished run of this configuration
+    in ``out_dir``."""
+    configs = {method + suffix: replace(model_config, attention=method) for method in methods}
     for method in ATTENTIONS:
-        if method in configs:
+        if method + suffix in configs:
             continue
         try:
             config = replace(model_config, attention=method)
-            if _finished(out_dir / method, config, train_config):
-                configs[method] = config
+            if _finished(out_dir / (method + suffix), config, train_config):
+                configs[method + suffix] = config
         except ConfigError:  # the method does not suit these options, or its run is invalid
             continue
     return configs
@@ -205,35 +246,44 @@ def _train_or_reuse(
 
 
 def _evaluation(model: SpanLM, run_dir: Path, corpus: Corpus, splits: tuple[str, ...],
-                block_size: int, eval_chars: int | None, progress: bool) -> dict:
+                train_config: TrainConfig, eval_chars: int | None, progress: bool) -> dict:
     """``<split>_bpc`` of ``model`` on each split of ``splits``; then, as they stand after
     evaluation (dynamic spans: those of its last block), the ``spans`` of its heads
-    (:func:`effective_spans`) and its ``flops_per_char``. Read back from ``run_dir`` where that
-    run was evaluated on the same characters before."""
-    keys = [f"{split}_bpc" for split in splits]
+    (:func:`effective_spans`), its ``flops_per_char`` and the estimated ``peak_mb`` of one of
+    its training steps. Read back from ``run_dir`` where that run was evaluated on the same
+    characters before."""
+    keys, block_size = [f"{split}_bpc" for split in splits], train_config.block_size
     stored_file = run_dir / EVALUATION_FILE
     stored = json.loads(stored_file.read_text()) if stored_file.is_file() else {}
-    if stored.get("eval_chars") != eval_chars or not set(keys) <= set(stored["bpc"]):
+    if (stored.get("eval_chars") != eval_chars or not set(keys) <= set(stored.get("bpc", {}))
+            or "peak_mb" not in stored):
         bpc = {key: evaluate(model, corpus.split(split), block_size=block_size,
                              progress=progress, max_chars=eval_chars)["bpc"]
                for key, split in zip(keys, splits, strict=True)}
+        streams = train_config.batch_size // train_config.batch_split
+        peak = estimate_training_memory(model, train_config.optimizer, streams, block_size)
         stored = {"eval_chars": eval_chars, "bpc": bpc,
                   "spans": effective_spans(model, block_size),
-                  "flops_per_char": flops_per_char(model, block_size)}
+                  "flops_per_char": flops_per_char(model, block_size),
+                  "peak_mb": peak.total / 2**20}
         text = json.dumps(stored) + "\n"
         atomic_write({stored_file: lambda path: path.write_text(text)})
     return {"spans": stored["spans"], "flops_per_char": stored["flops_per_char"],
-            **{key: stored["bpc"][key] for key in keys}}
+            "peak_mb": stored["peak_mb"], **{key: stored["bpc"][key] for key in keys}}
 
 
-def _row(method: str, model: SpanLM, summary: dict, measured: dict) -> dict:
-    """One table row, from the training ``summary`` and what :func:`_evaluation` measured."""
+def _row(model: SpanLM, summary: dict, measured: dict, with_limit: bool) -> dict:
+    """One table row, from the training ``summary`` and what :func:`_evaluation` measured;
+    ``with_limit``: with the model's span limit S."""
+    limit = {"max_span": model.config.max_span} if with_limit else {}
     return {
-        "method": method,
+        "method": model.config.attention,
+        **limit,
         "layers": model.config.n_layers,
         "avg_span": span_summary(measured["spans"])["avg_span"],
         "params": model.num_parameters(),
         "flops_per_char": measured["flops_per_char"],
+        "peak_mb": measured["peak_mb"],
         "chars_per_s": summary["chars_per_s"],
         "steps": summary["steps"],
         **{key: value for key, value in measured.items() if key.endswith("_bpc")},

@@ -21,9 +21,31 @@ from .precision import DTYPES
 from .registry import ATTENTIONS
 
 TRUNCATIONS = ("head", "layer", "none")
+SPAN_PER = ("head", "layer")
 POSITION_TABLES = ("model", "layer")
 OPTIMIZERS = ("adagrad", "adamw")
 CLIP_MODES = ("per-tensor-lr", "global")
+
+
+class SpanAttentions(Collection):
+    """Names of the registered span attentions, those :mod:`adaspan.attention` defines (fixed,
+    adaptive, dynamic): the spans ``attention=persistent`` can use. Read from the registry
+    when asked."""
+
+    def _names(self) -> list[str]:
+        return [name for name, build in ATTENTIONS.items()
+                if build.__module__ == f"{__package__}.attention"]
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+
 class ConfigError(UserError, ValueError):
     """An invalid option: of a configuration, a preset, a TOML file, an override or a
     command."""
@@ -92,10 +114,16 @@ class ModelConfig(Options):
 
     ``attention`` names a registered variant (:data:`adaspan.registry.ATTENTIONS`): ``fixed``
     (every head sees ``max_span`` tokens), ``adaptive`` (one learned span per head) or
-    ``dynamic`` (span predicted per token), and the baselines of :mod:`adaspan.baselines`.
+    ``dynamic`` (span predicted per token), and the baselines of :mod:`adaspan.baselines`;
+    ``persistent`` adds ``persistent_size`` learned keys and values per head to a
+    ``persistent_span`` attention (:mod:`adaspan.persistent`; with ``feed_forward=false``, the
+    all-attention layer).
     ``truncation`` picks how computation follows the spans: ``head`` groups heads by span and
     each group reads only the keys it can see; ``layer`` uses the longest head of the layer for
-    all heads; ``none`` always reads ``max_span`` keys (reference, slowest).
+    all heads; ``none`` always reads ``max_span`` keys (reference, slowest). ``span_per="layer"``
+    makes the heads of a layer share one learned span (adaptive, dynamic); the other variants
+    accept and ignore it, as they do ``span_init``, so that ``adaspan compare`` builds every
+    method from one configuration.
     """
 
     section: ClassVar[str] = "model"
@@ -113,6 +141,9 @@ class ModelConfig(Options):
     max_span: int = option(8192, "span limit S, in tokens (paper: 512 to 8192)")
     ramp: int = option(32, "width R of the soft mask's ramp (paper: 32)")
     span_init: float = option(0.0, "initial z' of adaptive spans, z = S z' (paper: 0)")
+    span_per: str = option("head", "learned spans (adaptive, dynamic; the other variants "
+                           "ignore it): one z per head (paper) | one per layer, shared by its "
+                           "heads", choices=SPAN_PER)
     span_loss_coef: float = option(0.5e-6, "lambda of the span penalty lambda/M sum z "
                                    "(paper: 2e-6; 0.5e-6 at S=8192)")
     dynamic_bias_init: float = option(-4.0, "initial bias b of dynamic spans "
@@ -126,10 +157,16 @@ class ModelConfig(Options):
                                     "pattern (seed: 128, 256)")
     factorized_c: int = option(8, "summary positions c per stride of the factorized pattern "
                                "(seed: 8, 16, 32)")
+    persistent_size: int = option(1024, "persistent key/value vectors N per head of "
+                                  "attention=persistent (all-attention)")
+    persistent_span: str = option("adaptive", "span of the context keys of "
+                                  "attention=persistent", choices=SpanAttentions())
+    feed_forward: bool = option(True, "each layer has its ReLU feed-forward sublayer (true | "
+                                "false: the all-attention layer, with attention=persistent)")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_inner", "max_span",
-                     "span_bucket", "factorized_stride"):
+                     "span_bucket", "factorized_stride", "persistent_size"):
             self._require(name, lambda v: _is_int(v) and v > 0, "a positive integer")
         self._require("d_model", lambda v: v % self.n_heads == 0,
                       f"divisible by n_heads={self.n_heads}")
@@ -138,6 +175,7 @@ class ModelConfig(Options):
         self._require("span_init", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
         self._require("span_loss_coef", lambda v: v >= 0.0, ">= 0")
         self._check_choices()
+        self._require("feed_forward", lambda v: isinstance(v, bool), "true or false")
         self._require("factorized_c", lambda v: _is_int(v) and 0 < v <= self.factorized_stride,
                       f"an integer in [1, factorized_stride={self.factorized_stride}]")
         if self.attention == "factorized":  # both head types, and A(1) blocks inside the window
@@ -180,8 +218,9 @@ class TrainConfig(Options):
 
     section: ClassVar[str] = "train"
 
-    data: str = option("kjv", "corpus: kjv (bundled, default) | enwik8 | text8 | a text file "
-                       "or directory", fixed_on_resume=True)
+    data: str = option("kjv", "corpus: kjv (bundled, default) | enwik8 | text8 | "
+                       "synthetic:copy or synthetic:words (generated, '?key=value&..' sets "
+                       "their parameters) | a text file or directory", fixed_on_resume=True)
     data_dir: str | None = option(None, "where enwik8/text8 are cached (default: $ADASPAN_DATA "
                                   "or ~/.cache/adaspan)")
     batch_size: int = option(64, "parallel streams per step (paper: 64)", fixed_on_resume=True)

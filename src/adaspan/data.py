@@ -6,6 +6,8 @@ Sources:
 * ``"kjv"``: the King James Bible shipped inside the package (the default);
 * ``"enwik8"`` / ``"text8"``: the Large Text Compression Benchmark files of Matt Mahoney,
   fetched and verified by :mod:`adaspan.download`, then memory-mapped;
+* ``"synthetic:copy"`` / ``"synthetic:words"`` (with parameters after a ``?``): texts with
+  long-range structure generated from a seed by :mod:`adaspan.synthetic`;
 * any local file (plain, ``.gz`` or single-member ``.zip``) or a directory of split files.
 """
 
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from .download import BENCHMARKS, MIN_SPLIT_BYTES, Benchmark, DataError, fetch
+from .synthetic import NAMES, generate, is_synthetic
 
 VOCAB_SIZE = 256
 DEFAULT_CORPUS = "kjv"
@@ -86,7 +89,7 @@ class Corpus:
 def resolve_data(spec: str) -> str:
     """``TrainConfig.data`` as stored in a run: a built-in corpus keeps its name, a path
     becomes absolute (so that the run can be evaluated and resumed from any directory)."""
-    if spec in EMBEDDED or spec in BENCHMARKS:
+    if spec in EMBEDDED or spec in BENCHMARKS or is_synthetic(spec):
         return spec
     return str(Path(spec).expanduser().resolve())
 
@@ -112,6 +115,8 @@ def load_corpus(
         return _split_corpus(spec, _read_embedded(EMBEDDED[spec]), split)
     if isinstance(spec, str) and spec in BENCHMARKS:
         return _load_benchmark(BENCHMARKS[spec], data_dir, split, progress)
+    if is_synthetic(spec):
+        return _split_corpus(spec, generate(spec).tokens, split)
     path = Path(spec).expanduser()
     if path.is_dir():
         if split is not None:
@@ -119,11 +124,21 @@ def load_corpus(
         return _load_directory(path)
     if path.is_file():
         return _split_corpus(path.name, _read_file(path), split)
-    names = ", ".join([*EMBEDDED, *BENCHMARKS])
+    names = ", ".join([*EMBEDDED, *BENCHMARKS, *NAMES])
     raise DataError(
         f"no corpus {str(spec)!r}: not a built-in corpus ({names}) "
         f"and no file or directory at {path.absolute()}"
     )
+
+
+def source_distance(spec: str, split_name: str,
+                    split: tuple[float, float] | None = None) -> np.ndarray:
+    """Per character of split ``split_name`` of synthetic corpus ``spec``: the distance back
+    to the character it repeats (0: none; see :class:`adaspan.synthetic.Synthetic`)."""
+    if not is_synthetic(spec):
+        raise DataError(f"{spec!r} is not a synthetic corpus: only those know which "
+                        "characters need long context")
+    return _split_corpus(spec, generate(spec).distance, split).split(split_name)
 
 
 def _load_benchmark(

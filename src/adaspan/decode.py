@@ -21,8 +21,8 @@ reads it.
 
 The residuals are the accumulators of the products (``x + y W_o``, ``h + b_2 + r W_2``), the
 biases folded accordingly. Under autocast (on when decoding starts) all of it runs in the
-autocast dtype. Other variants (the baselines) decode through the model's own forward:
-:func:`decoder` picks.
+autocast dtype. Other variants (the baselines, persistent memory) and layers without the
+feed-forward decode through the model's own forward: :func:`decoder` picks.
 """
 
 from __future__ import annotations
@@ -85,8 +85,10 @@ class Decoder:
 
     @staticmethod
     def handles(model: SpanLM) -> bool:
-        """Whether every layer is plain span attention (subclasses, e.g. ``vanilla``, are not)."""
-        return all(type(layer.attn) is SpanAttention for layer in model.layers)
+        """Whether every layer is plain span attention (subclasses, e.g. ``vanilla``, are not)
+        followed by the feed-forward sublayer."""
+        return model.config.feed_forward and all(type(layer.attn) is SpanAttention
+                                                 for layer in model.layers)
 
     def step(self, token: int) -> Tensor:
         """Log-probabilities (V,) of the token after ``token``, which sits at ``position``."""

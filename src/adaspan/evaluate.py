@@ -1,9 +1,12 @@
 """Bits per character of a model on a token array, the way the paper evaluates (§3).
 
 The split is cut into ``batch_size`` contiguous streams read block by block with the cache
-carried from one block to the next, so every character is predicted once, with as much
-context as the model's spans allow. The processes of a ``torchrun`` job can share the work:
-each scores a contiguous share of the streams, and the sums are added up over all of them.
+carried from one block to the next, so every character is predicted once, with as much context
+as the model's spans allow, except at the start of each stream: the first characters of a stream
+have fewer characters before them than the longest span, so a larger ``batch_size`` scores more
+of them with less context (:func:`short_context`; with ``batch_size=1`` only the first
+ones of the split). The processes of a ``torchrun`` job can share the work: each scores a
+contiguous share of the streams, and the sums are added up over all of them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .analysis import effective_spans
+from .cache import Cache, KeyValueCache
 from .config import ConfigError
 from .data import BlockStream
 from .distributed import Distributed
@@ -40,11 +45,14 @@ def evaluate(
     estimate for periodic validation. The model is moved to ``device`` (default: where it
     is), run in eval mode without gradients, and left in the train/eval mode it had.
     ``dtype`` is that of the products (:mod:`adaspan.precision`: auto, float32 or bfloat16).
-    Nothing waits for the device until the end but the upload of each block. Returns
-    ``bpc``, ``loss`` (nats per character) and ``chars`` (number of targets); with
-    ``token_logprobs=True`` also ``token_logprobs``, the natural-log probability of every
-    scored target in stream order (all of stream 0, then stream 1, ...: text order when
-    ``batch_size`` is 1), a float32 array.
+    Nothing waits for the device until the end but the upload of each block. Returns ``bpc``,
+    ``loss`` (nats per character) and ``chars`` (number of targets), then what was scored how:
+    ``streams`` (``batch_size``), ``stream_chars`` (targets per stream), ``block_size``,
+    ``cache_carried`` and ``cache_positions`` (per layer, the positions carried to the next
+    block: 0 for a variant that carries none; :func:`short_context` adds how many targets had
+    less context than the longest span); with ``token_logprobs=True`` also ``token_logprobs``,
+    the natural-log probability of every scored target in stream order (all of stream 0, then
+    stream 1, ...: text order when ``batch_size`` is 1), a float32 array.
 
     With ``dist`` (every rank of a torchrun job calls it, each with its own ``device``), each
     rank scores its :meth:`~Distributed.rows` of the ``batch_size`` streams and the sums are
@@ -87,7 +95,37 @@ def evaluate(
     nll, chars = dist.sum([nll.item(), chars], device)
     chars = int(chars)
     loss = nll / chars
-    result = {"bpc": loss / math.log(2), "loss": loss, "chars": chars}
+    carried = _positions(cache)
+    result = {"bpc": loss / math.log(2), "loss": loss, "chars": chars, "streams": batch_size,
+              "stream_chars": stream.stream_len, "block_size": block_size,
+              "cache_carried": max(carried) > 0, "cache_positions": carried}
     if token_logprobs:  # blocks are consecutive columns of the (batch_size, n) streams
         result["token_logprobs"] = torch.cat(kept, dim=1).flatten().cpu().numpy()
     return result
+
+
+def short_context(model: SpanLM, result: dict) -> dict:
+    """The ``longest_span`` of ``model`` (the farthest distance any head attends to with the
+    blocks of ``result``, :func:`~adaspan.analysis.effective_spans`; for spans that vary per
+    token, that of their averages over the last block scored) and ``short_context_chars``: the
+    targets of the evaluation ``result`` (of :func:`evaluate`) scored with fewer characters of
+    their stream before them than that (:func:`short_context_chars`, for every stream)."""
+    longest = max(max(layer) for layer in effective_spans(model, result["block_size"]))
+    per_stream = short_context_chars(result["stream_chars"], result["block_size"], longest,
+                                     max(result["cache_positions"]))
+    return {"longest_span": longest, "short_context_chars": result["streams"] * per_stream}
+
+
+def short_context_chars(stream_len: int, block_size: int, longest: float, carried: int) -> int:
+    """Targets of one stream of ``stream_len`` scored with fewer than ``longest`` characters of
+    the stream before them. The target at column j (offset j mod ``block_size`` in its block)
+    has min(j, ``carried`` + j mod ``block_size``) before it: the stream so far, up to the
+    ``carried`` positions of the cache and the block's own. With a cache that holds the
+    longest span, the first ceil(``longest``) of the stream."""
+    j = np.arange(stream_len)
+    return int(np.count_nonzero(np.minimum(j, carried + j % block_size) < longest))
+
+
+def _positions(cache: Cache) -> list[int]:
+    """Positions each layer's ``cache`` carries to the next block."""
+    return [c.end - c.start if isinstance(c, KeyValueCache) else c.shape[1] for c in cache]

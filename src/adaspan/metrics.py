@@ -33,11 +33,13 @@ class MetricsLog:
 
 
 def _scalars(record: dict) -> list[tuple[str, float]]:
-    """The record's values as TensorBoard scalars: a list ``x`` becomes ``x/0``, ``x/1``..."""
+    """The record's values as TensorBoard scalars: a list ``x`` becomes ``x/0``, ``x/1``...,
+    a list of lists ``x/0/0``, ``x/0/1``..."""
     scalars = []
     for name, value in record.items():
         if isinstance(value, list):
-            scalars += [(f"{name}/{i}", v) for i, v in enumerate(value)]
+            for i, item in enumerate(value):
+                scalars += _scalars({f"{name}/{i}": item})
         elif name != "step" and value is not None:
             scalars.append((name, value))
     return scalars

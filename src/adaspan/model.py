@@ -1,9 +1,9 @@
 """SpanLM: a character-level Transformer language model with span-limited attention.
 
-Token embedding -> ``n_layers`` post-norm layers (span attention + ReLU feed-forward) -> output
-projection to log-probabilities. Each layer keeps a cache of the hidden states of the previous
-blocks (Transformer-XL style), trimmed to what its heads can still see, so a stream is processed
-block by block::
+Token embedding -> ``n_layers`` post-norm layers (span attention + ReLU feed-forward, unless
+``feed_forward=False``) -> output projection to log-probabilities. Each layer keeps a cache of
+the hidden states of the previous blocks (Transformer-XL style), trimmed to what its heads can
+still see, so a stream is processed block by block::
 
     cache = model.empty_cache(batch_size)  # keys_values=True for inference (see adaspan.cache)
     for block in blocks:
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import attention, baselines  # noqa: F401 (importing them registers the built-in variants)
+# importing them registers the built-in variants
+from . import attention, baselines, expire, persistent  # noqa: F401
 from .cache import Cache, KeyValueCache
 from .config import ModelConfig
 from .registry import ATTENTIONS
@@ -39,14 +40,15 @@ class FeedForward(nn.Module):
 
 
 class Layer(nn.Module):
-    """Post-norm Transformer layer: h = LN(x + attn(x)); out = LN(h + ffn(h))."""
+    """Post-norm Transformer layer: h = LN(x + attn(x)); out = LN(h + ffn(h)), or out = h
+    without the feed-forward sublayer (``feed_forward=False``: the all-attention layer)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attn = ATTENTIONS[config.attention](config)
         self.norm1 = nn.LayerNorm(config.d_model)
-        self.ff = FeedForward(config)
-        self.norm2 = nn.LayerNorm(config.d_model)
+        self.ff = FeedForward(config) if config.feed_forward else None
+        self.norm2 = nn.LayerNorm(config.d_model) if config.feed_forward else None
 
     def forward(
         self, x: Tensor, cache: Tensor | KeyValueCache, pos: Tensor | None
@@ -58,7 +60,7 @@ class Layer(nn.Module):
         """Everything after the attention: residuals, LayerNorms and feed-forward (shapes fixed
         by the block: what :meth:`SpanLM.compile_dense` hands to ``torch.compile``)."""
         h = self.norm1(x + attended)
-        return self.norm2(h + self.ff(h))
+        return h if self.ff is None else self.norm2(h + self.ff(h))
 
 
 class SpanLM(nn.Module):

@@ -50,15 +50,23 @@ DEFAULT_SPAN_LOSS = 0.0  # their --adapt-span-loss default
 BLOCK_SIZE = 512  # block size stored in the run's train config (their enwik8/text8 scripts)
 
 _MASK = "attn.attn.adaptive_span._mask."
+_MEMORY = "attn.attn.persistent_memory."
+# their persistent memory holds their adaptive span too: its tensors again, under this name
+_MEMORY_MASK = f"{_MEMORY}adaptive_span._mask."
+_FEED_FORWARD = "ff.fc1.weight"
 # adaspan name -> the authors' name, inside layer i
 _LAYER_TENSORS = {
     "attn.q.weight": "attn.proj_query.weight",
     "attn.k.weight": "attn.proj_key.weight",
     "attn.v.weight": "attn.proj_val.weight",
     "attn.o.weight": "attn.proj_out.weight",
-    **{f"{m}.{p}": f"{m}.{p}" for m in ("norm1", "ff.fc1", "ff.fc2", "norm2")
-       for p in ("weight", "bias")},
+    "norm1.weight": "norm1.weight",
+    "norm1.bias": "norm1.bias",
 }
+_FEED_FORWARD_TENSORS = {f"{m}.{p}": f"{m}.{p}" for m in ("ff.fc1", "ff.fc2", "norm2")
+                         for p in ("weight", "bias")}
+_MEMORY_TENSORS = {"attn.persistent_keys": f"{_MEMORY}key",
+                   "attn.persistent_values": f"{_MEMORY}val"}
 _MODEL_TENSORS = {"embed.weight": "in_emb.weight", "out.weight": "out_emb.weight",
                   "out.bias": "out_emb.bias"}
 
@@ -98,7 +106,12 @@ def infer_config(
     """adaspan's configuration of the authors' model ``state``, its sizes read from the shapes;
     ``ramp`` (R) is not stored in their checkpoints."""
     _refuse_unsupported(state)
-    for name in (*_MODEL_TENSORS.values(), "key_pe", "layers.0.ff.fc1.weight"):
+    memory = f"layers.0.{_MEMORY}key" in state
+    feed_forward = f"layers.0.{_FEED_FORWARD}" in state
+    required = [*_MODEL_TENSORS.values(), "key_pe"]
+    if not memory:  # their layers with persistent memory have no feed-forward
+        required.append(f"layers.0.{_FEED_FORWARD}")
+    for name in required:
         if name not in state:
             raise OfficialFormatError(
                 f"the checkpoint has no tensor {name!r}: not a model of the "
@@ -116,20 +129,21 @@ def infer_config(
     if layers != set(range(len(layers))):
         raise OfficialFormatError(
             f"the checkpoint's layers are not numbered 0..n-1: {sorted(layers)}")
-    adaptive = f"layers.0.{_MASK}current_val" in state
+    span = "adaptive" if f"layers.0.{_MASK}current_val" in state else "fixed"
+    options = {"attention": span}
+    if memory:  # key: (heads, d_head, N)
+        options = {"attention": "persistent", "persistent_span": span,
+                   "persistent_size": state[f"layers.0.{_MEMORY}key"].shape[-1]}
+    if feed_forward:
+        options["d_inner"] = state[f"layers.0.{_FEED_FORWARD}"].shape[0]
     return ModelConfig(
         vocab_size=vocab_size, d_model=d_model, n_heads=d_model // d_head, n_layers=len(layers),
-        d_inner=state["layers.0.ff.fc1.weight"].shape[0], dropout=dropout,
-        attention="adaptive" if adaptive else "fixed", max_span=max_span, ramp=ramp,
-        span_loss_coef=span_loss_coef)
+        dropout=dropout, max_span=max_span, ramp=ramp, span_loss_coef=span_loss_coef,
+        feed_forward=feed_forward, **options)
 
 
 def _refuse_unsupported(state: dict[str, Tensor]) -> None:
     """A clear error for the authors' options that adaspan has no counterpart for."""
-    if any("persistent_memory" in key for key in state):
-        raise OfficialFormatError(
-            "the checkpoint uses persistent memory (--pers-mem-size), which "
-            "adaspan does not support")
     plain_io = {"in_emb.weight", "out_emb.weight", "out_emb.bias"}
     if any(key.startswith(("in_emb.", "out_emb.")) and key not in plain_io for key in state):
         raise OfficialFormatError(
@@ -143,18 +157,24 @@ def convert_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Te
     weights = {ours: state[theirs] for ours, theirs in _MODEL_TENSORS.items()}
     # column c of key_pe is the embedding of distance S - c; adaspan's row d - 1 is distance d
     weights["pos"] = state["key_pe"][0].t().flip(0)
+    memory = config.attention == "persistent"
+    adaptive = (config.persistent_span if memory else config.attention) == "adaptive"
+    layer_tensors = {**_LAYER_TENSORS, **(_FEED_FORWARD_TENSORS if config.feed_forward else {}),
+                     **(_MEMORY_TENSORS if memory else {})}
     for i in range(config.n_layers):
         names = {f"layers.{i}.{ours}": f"layers.{i}.{theirs}"
-                 for ours, theirs in _LAYER_TENSORS.items()}
-        if config.attention == "adaptive":
+                 for ours, theirs in layer_tensors.items()}
+        if adaptive:
             names[f"layers.{i}.attn.span.z_frac"] = f"layers.{i}.{_MASK}current_val"
             expected.add(f"layers.{i}.{_MASK}mask_template")
+            if memory:
+                expected.update(_same_mask(state, i))
         missing = sorted(theirs for theirs in names.values() if theirs not in state)
         if missing:
             raise OfficialFormatError(f"the checkpoint lacks {', '.join(missing)}")
         weights.update({ours: state[theirs] for ours, theirs in names.items()})
         expected.update(names.values())
-        if config.attention == "adaptive":
+        if adaptive:
             _check_template(state[f"layers.{i}.{_MASK}mask_template"], config.max_span, i)
             weights[f"layers.{i}.attn.span.z_frac"] = z_fraction(
                 state[f"layers.{i}.{_MASK}current_val"], config.max_span, i)
@@ -164,6 +184,19 @@ def convert_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Te
             f"the checkpoint has tensors adaspan cannot map: "
             f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
     return {name: t.detach().float().contiguous() for name, t in weights.items()}
+
+
+def _same_mask(state: dict[str, Tensor], layer: int) -> list[str]:
+    """The names under which their persistent memory of layer ``layer`` holds the adaptive span
+    again (the same module in their model), checked to hold the same values."""
+    names = []
+    for tensor in ("current_val", "mask_template"):
+        name, again = f"layers.{layer}.{_MASK}{tensor}", f"layers.{layer}.{_MEMORY_MASK}{tensor}"
+        if again in state and name in state and not torch.equal(state[again], state[name]):
+            raise OfficialFormatError(
+                f"{again} differs from {name}: in the authors' model they are one tensor")
+        names.append(again)
+    return names
 
 
 def z_fraction(current_val: Tensor, max_span: int, layer: int = 0) -> Tensor:
@@ -383,7 +416,11 @@ def _check_shapes(weights: dict[str, Tensor], config: ModelConfig) -> None:
 
 def describe(config: ModelConfig) -> str:
     """One line describing a converted model."""
-    return (f"{config.attention} attention, {config.n_layers} layers x {config.n_heads} heads, "
+    attention = f"{config.attention} attention"
+    if config.attention == "persistent":
+        attention = (f"{config.persistent_span} span attention with {config.persistent_size} "
+                     f"persistent vectors{'' if config.feed_forward else ', no feed-forward'}")
+    return (f"{attention}, {config.n_layers} layers x {config.n_heads} heads, "
             f"d_model={config.d_model}, S={config.max_span}, R={config.ramp}, "
             f"vocabulary of {config.vocab_size} symbols")
 

@@ -75,7 +75,8 @@ def report_page(data: dict, saved: dict, events: list[dict], config: ModelConfig
     """The report of a run: its numbers ``data`` (:func:`adaspan.report.report_data`), its
     ``config.json`` ``saved``, its metrics records ``events`` and its model's ``config``."""
     sections = [_header(data, saved, events), _bpc_section(events),
-                _span_history_section(events, config.max_span), _spans_section(data, config),
+                _span_history_section(events, config.max_span),
+                _head_spans_section(data, config), _spans_section(data, config),
                 _cost_section(data, config)]
     if "dynamic" in data:
         sections.append(_dynamic_section(data["dynamic"], config))
@@ -123,6 +124,24 @@ def _span_history_section(events: list[dict], max_span: int) -> str:
                    "average and longest span over all heads.")
     fig = analysis.span_history_figure(events, max_span)
     return _figure("fig-span-history", "Spans during training", analysis.png_bytes(fig), caption)
+
+
+def _head_spans_section(data: dict, cfg: ModelConfig) -> str:
+    title = "Span of every head during training"
+    history = data["head_spans"]
+    if not history["steps"]:
+        return (f"<section id='fig-head-spans'><h2>{title}</h2><p>This run's records hold no "
+                "per-head spans (older versions of adaspan recorded those of each layer only: see "
+                "above).</p></section>")
+    caption = (f"The span min(S, z + R) of each head at every metrics record, a panel per "
+               f"layer, a line per head; dotted: R = {cfg.ramp}, the smallest span (z = 0: the "
+               f"head sees only the ramp); dashed: the limit S = {cfg.max_span}.")
+    if "dynamic" in data:
+        caption += " Dynamic spans: averaged over the tokens of the step's last batch."
+    elif not data["learned_spans"]:
+        caption += f" This run's attention ({data['attention']}) has no learned spans."
+    fig = analysis.head_spans_figure(history, cfg.max_span, cfg.ramp)
+    return _figure("fig-head-spans", title, analysis.png_bytes(fig), caption)
 
 
 def _spans_section(data: dict, cfg: ModelConfig) -> str:
@@ -193,19 +212,30 @@ COMPARE_CAPTION = ("Left: bits per character against the wall-clock time of trai
                    "Middle: against steps. Right: average span over all heads.")
 
 
-def compare_page(name: str, curves_png: bytes, caption: str, rows: Sequence[Mapping],
+SPAN_LIMIT_CAPTION = ("Each method trained for the same steps with each span limit S: valid "
+                      "bpc, forward FLOPs per character (the paper's convention), the estimated "
+                      "peak memory of a training step, and training speed. Learned spans pay "
+                      "for what they use, a fixed span for S.")
+
+
+def compare_page(name: str, figures: Sequence[bytes], caption: str, rows: Sequence[Mapping],
                  columns: Sequence[Column], notes: Sequence[str],
                  spans: Mapping[str, list[list[float]]], max_span: int) -> str:
-    """The page of a comparison ``name``: the figure ``curves_png`` of every method's curves;
-    the table (``caption``, one line per row of ``rows`` in ``columns``, ``notes``); and the
-    final ``spans`` of each method that has learned spans, limit ``max_span`` (Figure 4)."""
+    """The page of a comparison ``name``: ``figures``, the PNG of every method's curves and,
+    when the methods were trained with several span limits, their costs against it (Figure
+    2); the table (``caption``, one line per row of ``rows`` in ``columns``, ``notes``); and
+    the final ``spans`` of each method that has learned spans, limit ``max_span`` (Figure
+    4)."""
     cells = ([fmt(row[key]) for key, _, fmt in columns] for row in rows)
     notes_list = "".join(f"<li>{html.escape(note)}</li>" for note in notes)
     table = (f"<section id='table'><h2>Table</h2><p>{html.escape(caption)}</p>"
              f"{_table([header for _, header, _ in columns], cells)}<ul>{notes_list}</ul>"
              "</section>")
-    figure = _figure("fig-compare", "Methods side by side", curves_png, COMPARE_CAPTION,
+    figure = _figure("fig-compare", "Methods side by side", figures[0], COMPARE_CAPTION,
                      alt="bpc against training time")
+    if len(figures) > 1:
+        figure += _figure("fig-span-limit", "Against the span limit (Figure 2)", figures[1],
+                          SPAN_LIMIT_CAPTION, alt="bpc, FLOPs, memory and speed against S")
     body = figure + table + _spans_side_by_side(spans, max_span)
     return _page(f"adaspan compare: {name}", body)
 

@@ -1,7 +1,7 @@
-"""The numbers of a run's report (``adaspan report``): its records, its final spans (the
-paper's Figure 4), its cost against the span limit S (Figure 3) and, where spans vary per token,
-its spans along a text (Figure 5). :func:`write_report` writes them to ``report.json`` and
-renders them into ``report.html`` (:mod:`adaspan.page`).
+"""The numbers of a run's report (``adaspan report``): its records, each head's span during
+training, its final spans (the paper's Figure 4), its cost against the span limit S (Figure 3)
+and, where spans vary per token, its spans along a text (Figure 5). :func:`write_report` writes
+them to ``report.json`` and renders them into ``report.html`` (:mod:`adaspan.page`).
 """
 
 from __future__ import annotations
@@ -167,10 +167,11 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, text: s
 
 def report_data(model: SpanLM, saved: dict, run_dir: Path, text: str | None,
                 limits: Sequence[int], probe: torch.device | None) -> dict:
-    """The numbers of the report: attention, parameters, whether spans are learned, final
-    spans, the Figure 3 costs and, for spans that vary per token, the Figure 5 text and spans
-    under ``dynamic`` (computed first: the final spans of such a model are then its averages
-    over that text)."""
+    """The numbers of the report: attention, parameters, whether spans are learned, each
+    head's span at every metrics record (``head_spans``,
+    :func:`~adaspan.analysis.head_span_history`), final spans, the Figure 3 costs and, for
+    spans that vary per token, the Figure 5 text and spans under ``dynamic`` (computed first:
+    the final spans of such a model are then its averages over that text)."""
     cfg, span_type = model.config, model.span_type
     data: dict = {"run_dir": str(run_dir), "attention": cfg.attention,
                   "parameters": model.num_parameters(), "learned_spans": span_type.learned}
@@ -178,6 +179,7 @@ def report_data(model: SpanLM, saved: dict, run_dir: Path, text: str | None,
         text = text if text is not None else default_text(saved)
         tokens = run_codec(run_dir).encode(text.encode())  # bytes, or a converted run's ids
         data["dynamic"] = {"text": text, "spans": dynamic_spans(model, list(tokens))}
+    data["head_spans"] = analysis.head_span_history(run_events(run_dir))
     data["spans"] = model.spans()
     learned = data["spans"] if span_type.learned else None
     data["costs"] = cost_curves(cfg, learned, limits, saved["train"]["block_size"], probe)

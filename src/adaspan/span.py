@@ -11,6 +11,10 @@ it, 0 from ``z + R`` on. Three span types share one interface:
 * :class:`AdaptiveSpan`: one learnable ``z = S * z'`` per head, ``z'`` kept in [0, 1];
 * :class:`DynamicSpan`: ``z_t = S * sigmoid(v . x_t + b)`` per head and token.
 
+The learned spans take ``per_layer`` (``span_per="layer"``): one ``z`` (adaptive) or one
+``v, b`` (dynamic) shared by all heads of the layer; ``z`` is still given per head (every head
+the same, an expanded view), so everything that reads spans per head is unchanged.
+
 Throughout, the *span* of a head reported to users is ``min(S, z + R)``: the distance from which
 the mask is 0, the convention of the paper's Figure 4 (smallest possible span = R).
 """
@@ -41,6 +45,7 @@ class Span(nn.Module):
 
     learned = False  # True when z is trained (it has parameters and a penalty)
     input_dependent = False  # True when z depends on the tokens (then unknown in advance)
+    per_layer = False  # True when all heads share one z (learned spans, ``per_layer=True``)
 
     def __init__(self, n_heads: int, max_span: int, ramp: int) -> None:
         super().__init__()
@@ -63,7 +68,11 @@ class Span(nn.Module):
         return windows_of(self.z_bounds(z), self.max_span, self.ramp, self.n_heads)
 
     def z_penalty(self) -> Tensor | None:
-        """Sum over heads of z (for dynamic spans: z_t averaged over tokens); None if fixed."""
+        """Sum over heads of z (for dynamic spans: z_t averaged over tokens); None if fixed.
+
+        A z shared by the heads of a layer counts once per head (H z): the penalty stands for
+        the keys the heads attend to, so lambda keeps its meaning whether z is shared or not.
+        """
         return None
 
     def spans(self) -> Tensor:
@@ -84,7 +93,11 @@ class Span(nn.Module):
         if (spans < 1).any() or (spans > self.max_span).any():
             raise ValueError(f"spans must lie in [1, max_span={self.max_span}], got "
                              f"{', '.join(f'{v:g}' for v in spans.tolist())}")
-        return (spans - self.ramp).clamp(min=0.0)
+        if self.per_layer and (spans != spans[0]).any():
+            raise ValueError("the heads of a layer share one span (span_per='layer'), got "
+                             f"{', '.join(f'{v:g}' for v in spans.tolist())}")
+        z = (spans - self.ramp).clamp(min=0.0)
+        return z[:1] if self.per_layer else z
 
 
 class FixedSpan(Span):
@@ -103,7 +116,8 @@ def windows_of(bounds: tuple[list[float], list[float]] | None, max_span: int, ra
 
 
 class AdaptiveSpan(Span):
-    """One learnable span per head: ``z = S * z'`` with ``z'`` in [0, 1] (paper §2.2, §3).
+    """One learnable span per head: ``z = S * z'`` with ``z'`` in [0, 1] (paper §2.2, §3); with
+    ``per_layer``, one ``z'`` for all heads.
 
     A copy of ``z`` is kept on the host for the key windows: it is read again only when ``z'``
     changed (an optimiser step, a load; detected by the parameter's version counter), so a
@@ -113,14 +127,16 @@ class AdaptiveSpan(Span):
 
     learned = True
 
-    def __init__(self, n_heads: int, max_span: int, ramp: int, init: float = 0.0) -> None:
+    def __init__(self, n_heads: int, max_span: int, ramp: int, init: float = 0.0,
+                 per_layer: bool = False) -> None:
         super().__init__(n_heads, max_span, ramp)
-        self.z_frac = nn.Parameter(torch.full((n_heads,), float(init)))
+        self.per_layer = per_layer
+        self.z_frac = nn.Parameter(torch.full((1 if per_layer else n_heads,), float(init)))
         self._host: tuple[tuple, list[float]] | None = None  # (version of z', z on the host)
 
     def z(self) -> Tensor:
-        """Span parameter of each head in tokens (size H)."""
-        return self.max_span * self.z_frac.clamp(0.0, 1.0)
+        """Span parameter of each head in tokens (size H; a shared z expanded, a view)."""
+        return (self.max_span * self.z_frac.clamp(0.0, 1.0)).expand(self.n_heads)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.z().view(1, self.n_heads, 1)
@@ -163,30 +179,38 @@ class DynamicSpan(Span):
     """Input-dependent span ``z_t = S * sigmoid(v . x_t + b)`` per head and token (paper §2.2).
 
     ``b`` starts at ``bias_init`` (paper: -4) so that initial spans are short. The penalty uses
-    the spans of the most recent forward pass, averaged over the tokens of that pass.
+    the spans of the most recent forward pass, averaged over the tokens of that pass. With
+    ``per_layer``, one ``v, b``: one ``z_t`` per token for all heads.
     """
 
     learned = True
     input_dependent = True
 
     def __init__(
-        self, n_heads: int, max_span: int, ramp: int, d_model: int, bias_init: float = -4.0
+        self, n_heads: int, max_span: int, ramp: int, d_model: int, bias_init: float = -4.0,
+        per_layer: bool = False,
     ) -> None:
         super().__init__(n_heads, max_span, ramp)
-        self.v = nn.Parameter(torch.zeros(n_heads, d_model))
-        self.b = nn.Parameter(torch.full((n_heads,), float(bias_init)))
+        self.per_layer = per_layer
+        n_z = 1 if per_layer else n_heads
+        self.v = nn.Parameter(torch.zeros(n_z, d_model))
+        self.b = nn.Parameter(torch.full((n_z,), float(bias_init)))
         self._last_z: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        z = self.max_span * torch.sigmoid(x @ self.v.t() + self.b)  # (B, M, H)
-        z = z.transpose(1, 2)  # (B, H, M)
+        z = self.max_span * torch.sigmoid(x @ self.v.t() + self.b)  # (B, M, H or 1)
+        z = z.transpose(1, 2).expand(-1, self.n_heads, -1)  # (B, H, M)
         self._last_z = z
         return z
 
     def z_penalty(self) -> Tensor:
         if self._last_z is None:
-            return self.max_span * torch.sigmoid(self.b).sum()
+            return self._z_of_bias(self.b).sum()
         return self._last_z.mean(dim=(0, 2)).sum()
+
+    def _z_of_bias(self, b: Tensor) -> Tensor:
+        """``S sigmoid(b)`` of each head (size H): z_t where v . x_t = 0."""
+        return (self.max_span * torch.sigmoid(b)).expand(self.n_heads)
 
     def last_spans(self) -> Tensor:
         """Span ``min(S, z_t + R)`` of every head at every token of the last forward pass:
@@ -197,7 +221,7 @@ class DynamicSpan(Span):
 
     def spans(self) -> Tensor:
         if self._last_z is None:
-            z = self.max_span * torch.sigmoid(self.b.detach())
+            z = self._z_of_bias(self.b.detach())
         else:
             z = self._last_z.detach().mean(dim=(0, 2))
         return (z.float().cpu() + self.ramp).clamp(max=self.max_span)

@@ -119,7 +119,8 @@ def train(
     A run directory whose run stopped before its first checkpoint resumes from step 0; one
     already at ``steps`` raises :class:`RunComplete` and is left as it is.
     Temporary files of an interrupted save are removed. ``log`` receives one line per
-    logged step (default: printed above the progress bar). Returns a summary: ``steps``,
+    logged step (default: printed above the progress bar) and, once each, the warnings of
+    :func:`span_warnings` seen at logged steps after the warm-up. Returns a summary: ``steps``,
     ``train_bpc``, ``valid_bpc``, ``chars_per_s``, ``avg_span``, ``max_span``, ``spans``,
     ``elapsed`` and ``stopped`` ("completed" or "time_budget").
     """
@@ -301,6 +302,8 @@ class _Loop:
         self.window = _Window()  # the steps since the last record
         self.trained = (0, 0.0)  # steps and seconds of training of this call, at the last record
         self.last = {"train_bpc": None, "valid_bpc": None, "lr": None}
+        self.warned: set[str] = set()  # the conditions of span_warnings already logged
+        self.span_mark: tuple[int, list[list[float]]] | None = None  # step, spans after warm-up
         self.saved_step = self.state.step if self.state.step else None  # last checkpoint
         self.estimated_window = self._longest_window()  # the memory estimate's, in buckets
         self.start = time.monotonic()
@@ -455,16 +458,36 @@ class _Loop:
             "max_span": max_span,
             "layer_avg_span": [sum(layer) / len(layer) for layer in layers],
             "layer_max_span": [max(layer) for layer in layers],
+            "head_spans": [[round(s, 1) for s in layer] for layer in layers],
             "elapsed": self._elapsed(),
         }
         if self.metrics is not None:
             self.metrics.write(record)
         self.log(_format_record(record, self.config.steps))
+        self._warn_spans(layers)
         self.bar.set_postfix({"bpc": f"{train_bpc:.3f}", "chars/s": f"{record['chars_per_s']:,.0f}",
                               "span avg/max": f"{avg_span:.0f}/{max_span:.0f}",
                               "lr": f"{self.last['lr']:.2e}"}, refresh=False)
         self.last.update({k: v for k, v in record.items() if v is not None})
         self.window = _Window()
+
+    def _warn_spans(self, spans: list[list[float]]) -> None:
+        """Log each condition of :func:`span_warnings` once, from the end of the warm-up on,
+        where the spans are learned (``spans``: those of the record, already on the host). A
+        layer stayed at its minimum when it is there at two records at least ``warmup`` steps
+        apart (one step without a warm-up)."""
+        step, config = self.state.step, self.config
+        if not self.model.span_type.learned or step < config.warmup:
+            return
+        mark, before = self.span_mark, None  # the record compared with, and its spans
+        if mark is not None and step - mark[0] >= max(1, config.warmup):
+            before = mark[1]
+        if mark is None or before is not None:
+            self.span_mark = (step, spans)
+        for condition, message in span_warnings(spans, self.model.config, before).items():
+            if condition not in self.warned:
+                self.warned.add(condition)
+                self.log(f"step {step}: warning: {message}")
 
     def _validate(self) -> float:
         """Bits per character on the first ``eval_chars`` of the valid split, each rank
@@ -515,6 +538,38 @@ class _Loop:
                  f"valid bpc {_fmt(summary['valid_bpc'])}, "
                  f"span avg {avg_span:.0f} max {max_span:.0f}")
         return summary
+
+
+SPAN_TOLERANCE = 0.5  # tokens: a span this close to R or S counts as there (dynamic spans,
+# averaged over tokens, reach neither exactly)
+
+
+def span_warnings(spans: list[list[float]], config: ModelConfig,
+                  before: list[list[float]] | None = None) -> dict[str, str]:
+    """What the learned ``spans`` (per layer, per head, ``min(S, z + R)``) of a model of
+    ``config`` call for, by condition: ``"minimum"`` when every head of some layer is at its
+    minimum R (z = 0 in the soft mask m_z, eq. 2: the head sees only the ramp) in ``spans`` and
+    in ``before``, the spans of an earlier record (it stayed there); ``"limit"`` when some
+    head reached S. Empty when neither holds."""
+    R, S = config.ramp, config.max_span
+    warnings = {}
+    floored = [i for i, layer in enumerate(spans) if before is not None
+               and max(layer + before[i]) <= R + SPAN_TOLERANCE]
+    if floored:
+        warnings["minimum"] = (
+            f"every head of layer{'s' * (len(floored) > 1)} {', '.join(map(str, floored))} "
+            f"stayed at its minimum span R = {R} (z = 0: it sees only the ramp); the long-range "
+            "signal may be absent or out of the ramp's reach: try a larger ramp (now "
+            f"{R}), span_init > 0 (now {config.span_init:g}) or a smaller span_loss_coef (now "
+            f"{config.span_loss_coef:g})")
+    full = {i: [h for h, s in enumerate(layer) if s >= S - SPAN_TOLERANCE]
+            for i, layer in enumerate(spans)}
+    if any(full.values()):
+        heads = "; ".join(f"layer {i} head {', '.join(map(str, hs))}"
+                          for i, hs in full.items() if hs)
+        warnings["limit"] = (f"the span of {heads} reached S = {S}: those heads may need more "
+                             f"context; raise max_span (now {S})")
+    return warnings
 
 
 def _fmt(value: float | None) -> str:
