@@ -4,6 +4,7 @@ what it repeats is right, and a model sees the copies only with a span that reac
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 
@@ -13,9 +14,9 @@ import pytest
 from adaspan.checkpoint import load_model
 from adaspan.cli import main
 from adaspan.config import ModelConfig, TrainConfig
-from adaspan.data import load_corpus, source_distance
+from adaspan.data import BlockStream, load_corpus, source_distance
 from adaspan.errors import UserError
-from adaspan.evaluate import evaluate
+from adaspan.evaluate import bpc_by_distance, evaluate
 from adaspan.synthetic import DEFAULTS, generate, parse
 from adaspan.train import train
 
@@ -158,3 +159,46 @@ def test_a_span_past_the_distance_predicts_the_copies(trained):
     assert _bits(trained[16], long_range=True) > 0.95 * uniform  # it cannot see them
     for span in (16, 32):  # fresh letters are unpredictable for both
         assert _bits(trained[span], long_range=False) > 0.95 * uniform
+
+
+def test_cli_evaluate_reports_bpc_by_distance(trained, capsys):
+    assert main(["evaluate", str(trained[32]), "--batch-size", "1", "--block-size", "64",
+                 "--no-progress", "--json"]) == 0
+    groups = json.loads(capsys.readouterr().out)["by_distance"]
+    assert [(g["from"], g["to"]) for g in groups] == [(0, 0), (1, 32)]  # 24 falls in [1, 32)
+    assert groups[1]["bpc"] == pytest.approx(_bits(trained[32], long_range=True), abs=1e-3)
+    assert groups[0]["bpc"] == pytest.approx(_bits(trained[32], long_range=False), abs=1e-3)
+    assert main(["evaluate", str(trained[32]), "--no-progress"]) == 0
+    assert "by the distance back to the character repeated" in capsys.readouterr().out
+
+
+def test_bpc_by_distance_reads_each_target_of_each_stream():
+    tokens = np.arange(1000) % 256
+    distance = np.arange(1000) * 3  # a distinct "distance" per character: checks the mapping
+    stream = BlockStream(tokens, 4, 16)
+    targets = np.concatenate([distance[1 + b * stream.stream_len:][: stream.num_chars // 4]
+                              for b in range(4)])
+    scored = -np.log(2) * (targets % 7).astype(np.float32)  # a target's bits: distance mod 7
+    result = {"streams": 4, "stream_chars": stream.stream_len, "token_logprobs": scored}
+    groups = bpc_by_distance(result, distance, edges=(1, 300, 1200))
+    for group in groups:
+        low, high = group["from"], group["to"] if group["to"] is not None else np.inf
+        chosen = (targets >= low) & ((targets <= 0) if high == 0 else (targets < high))
+        assert group["chars"] == chosen.sum()
+        assert group["bpc"] == pytest.approx((targets[chosen] % 7).mean())
+    assert sum(g["chars"] for g in groups) == len(targets)
+
+
+def test_learned_spans_grow_to_a_distance_on_their_ramp(tmp_path):
+    """The documented recipe: spans get gradient only from keys on their ramp, so with a ramp
+    that reaches the distance from the start (R = 32 > 24, z = 0) they grow past it and the
+    copies are learned."""
+    model = ModelConfig(n_layers=1, d_model=32, n_heads=2, d_inner=64, max_span=128, ramp=32,
+                        attention="adaptive", dropout=0.0)
+    config = TrainConfig(data=TASK, steps=500, batch_size=16, block_size=64, lr=1e-2,
+                         optimizer="adamw", warmup=20, clip=1.0, clip_mode="global",
+                         eval_interval=500, eval_chars=4096, checkpoint_interval=500,
+                         log_interval=500, tensorboard=False, device="cpu")
+    summary = train(model, config, tmp_path, progress=False, log=lambda line: None)
+    assert max(summary["spans"][0]) > model.ramp + DISTANCE  # z + R from 32: z grew past 24
+    assert _bits(tmp_path, long_range=True) < 0.5 * math.log2(26)

@@ -238,19 +238,25 @@ def _evaluate(args: argparse.Namespace) -> int:
     the longest span (the first ones of each stream; a batch size of 1 scores the split as one
     stream)."""
     from .checkpoint import load_model, read_config
-    from .evaluate import evaluate, short_context
+    from .data import source_distance
+    from .evaluate import bpc_by_distance, evaluate, short_context
     from .official import run_split
+    from .synthetic import is_synthetic
 
     _use_threads(args)
     tokens, name, unit = run_split(args.run_dir, args.split, args.data, args.data_dir,
                                    progress=not args.no_progress)
     block_size = args.block_size or read_config(args.run_dir)["train"]["block_size"]
     model = load_model(args.run_dir, _device(args.device))
+    synthetic = is_synthetic(name)
     result = evaluate(model, tokens, batch_size=args.batch_size, block_size=block_size,
                       progress=not args.no_progress, max_chars=args.max_chars, dtype=args.dtype,
-                      token_logprobs=args.token_logprobs is not None)
+                      token_logprobs=args.token_logprobs is not None or synthetic)
+    if synthetic:
+        result["by_distance"] = bpc_by_distance(result, source_distance(name, args.split))
+    logprobs = result.pop("token_logprobs", None)
     if args.token_logprobs is not None:
-        np.save(args.token_logprobs, result.pop("token_logprobs"))
+        np.save(args.token_logprobs, logprobs)
     result = {**result, **short_context(model, result), "split": args.split, "data": name,
               "dtype": args.dtype}
     if args.json:
@@ -258,7 +264,20 @@ def _evaluate(args: argparse.Namespace) -> int:
     else:
         print(f"{name} {args.split}: {result['bpc']:.4f} bpc over {result['chars']:,} {unit}s")
         print(_evaluation_card(result, unit))
+        if synthetic:
+            print(_by_distance(result["by_distance"]))
     return 0
+
+
+def _by_distance(groups: list[dict]) -> str:
+    """The bpc of each group of :func:`adaspan.evaluate.bpc_by_distance`, one line each."""
+    lines = ["  by the distance back to the character repeated:"]
+    for group in groups:
+        where = ("repeats nothing" if group["to"] == 0 else
+                 f"{group['from']:,} or more back" if group["to"] is None else
+                 f"{group['from']:,} to {group['to'] - 1:,} back")
+        lines.append(f"    {where:<22} {group['chars']:>9,} chars  {group['bpc']:.4f} bpc")
+    return "\n".join(lines)
 
 
 def _evaluation_card(result: dict, unit: str) -> str:
@@ -716,7 +735,8 @@ def _convert_official(args: argparse.Namespace) -> int:
     """Import a checkpoint of the authors' code as an adaspan run.
 
     Convert a checkpoint written by the training script of the paper's authors
-    (facebookresearch/adaptive-span, no adaptive input/output or persistent memory) into an
+    (facebookresearch/adaptive-span, with or without persistent memory, no adaptive
+    input/output) into an
     adaspan run directory with the same log-probabilities (see docs/official.md)."""
     from .official import convert, describe
 

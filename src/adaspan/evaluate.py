@@ -126,6 +126,32 @@ def short_context_chars(stream_len: int, block_size: int, longest: float, carrie
     return int(np.count_nonzero(np.minimum(j, carried + j % block_size) < longest))
 
 
+DISTANCE_EDGES = (1, 32, 128, 512, 2048)  # bins of bpc_by_distance: [1, 32), [32, 128), ...
+
+
+def bpc_by_distance(result: dict, distance: np.ndarray,
+                    edges: tuple[int, ...] = DISTANCE_EDGES) -> list[dict]:
+    """bpc of the targets scored in ``result`` (of :func:`evaluate` with ``token_logprobs``),
+    grouped by how far back the character they repeat lies: ``distance`` is that of every
+    character of the scored tokens (:func:`adaspan.data.source_distance`; 0: it repeats
+    nothing). One entry per non-empty group: ``from``, ``to`` (None: no bound; 0 to 0 for the
+    characters that repeat nothing), ``chars`` and ``bpc``."""
+    streams, length = result["streams"], result["stream_chars"]
+    scored = result["token_logprobs"].reshape(streams, -1)
+    # stream b's targets are the characters b * length + 1, + 2, ... (data.BlockStream)
+    columns = np.arange(scored.shape[1])
+    targets = distance[(np.arange(streams)[:, None] * length + 1 + columns)]
+    groups = [(0, 0), *zip(edges, [*edges[1:], None], strict=True)]
+    out = []
+    for low, high in groups:
+        upper = targets <= high if high == 0 else targets < (high or np.inf)
+        chosen = (targets >= low) & upper
+        if chosen.any():
+            out.append({"from": low, "to": high, "chars": int(chosen.sum()),
+                        "bpc": float(-scored[chosen].mean() / math.log(2))})
+    return out
+
+
 def _positions(cache: Cache) -> list[int]:
     """Positions each layer's ``cache`` carries to the next block."""
     return [c.end - c.start if isinstance(c, KeyValueCache) else c.shape[1] for c in cache]
