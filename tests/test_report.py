@@ -174,6 +174,15 @@ def test_a_variant_is_reported_by_what_its_span_type_does(tmp_path, monkeypatch)
     data = report_data(model, {"train": {"block_size": 16}}, tmp_path, "abcd", [16, 32], None)
     assert data["learned_spans"] and len(data["dynamic"]["spans"][0]) == 4
     assert list(data["costs"]["curves"]) == [FIXED, LEARNED]
+    assert data["dynamic"]["meaning"] == DynamicSpan.token_span
+
+
+def test_figure_5_says_what_the_span_of_a_character_is(reports, tmp_path):
+    """Each span type that varies per token says what its span at a character means."""
+    assert "uses to predict the next character" in reports["dynamic"][0]
+    model = SpanLM(replace(MODEL, attention="expire"))
+    data = report_data(model, {"train": {"block_size": 16}}, tmp_path, "abcd", [16, 32], None)
+    assert data["dynamic"]["meaning"].startswith("the lifetime min(L, e_i + R)")
 
 
 def test_default_text_is_a_sentence_of_the_valid_split(runs):

@@ -308,7 +308,7 @@ def dynamic_span_figure(chars: list[str], spans: list[list[float]], max_span: in
     ax.set_ylim(low - margin, min(max_span, high + margin))
     ax.set_xticks(xs, [_visible(c) for c in chars], fontsize=8, family="monospace")
     ax.set_xlim(-0.5, n - 0.5)
-    ax.set_xlabel("character of the text (the span used to predict the next one)")
+    ax.set_xlabel("character of the text")
     ax.set_ylabel("span (tokens)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)

@@ -48,6 +48,8 @@ class ExpireSpan(Span):
 
     learned = True
     input_dependent = True
+    token_span = ("the lifetime min(L, e_i + R) of the memory its layer keeps of it: the "
+                  "distance from which no query sees it")
 
     def __init__(self, n_heads: int, max_span: int, ramp: int, d_model: int,
                  init: float = INIT_FRACTION) -> None:

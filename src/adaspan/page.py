@@ -194,10 +194,10 @@ def _cost_table(costs: dict) -> str:
 
 def _dynamic_section(dynamic: dict, cfg: ModelConfig) -> str:
     chars = [chr(b) if 32 <= b < 127 or b == 10 else "\u00b7" for b in dynamic["text"].encode()]
-    caption = ("Paper Figure 5: the dynamic span z_t + R (capped at S) of the heads of each "
-               "layer, averaged over the heads, at each character of the text (black: the "
-               "average over all layers, the paper's curve). The span of a character is the "
-               "one its layer uses to predict the next character. Text: "
+    caption = ("Paper Figure 5: at each character of the text, the span of the heads of each "
+               "layer, averaged over the heads (black: the average over all layers, the "
+               f"paper's curve). The span of a character is {html.escape(dynamic['meaning'])}. "
+               "Text: "
                f"<code>{html.escape(dynamic['text'])}</code>")
     fig = analysis.dynamic_span_figure(chars, dynamic["spans"], cfg.max_span, cfg.ramp)
     return _figure("fig-dynamic", "Dynamic span along a text (Figure 5)", analysis.png_bytes(fig),

@@ -178,7 +178,8 @@ def report_data(model: SpanLM, saved: dict, run_dir: Path, text: str | None,
     if span_type.input_dependent:
         text = text if text is not None else default_text(saved)
         tokens = run_codec(run_dir).encode(text.encode())  # bytes, or a converted run's ids
-        data["dynamic"] = {"text": text, "spans": dynamic_spans(model, list(tokens))}
+        data["dynamic"] = {"text": text, "spans": dynamic_spans(model, list(tokens)),
+                           "meaning": span_type.token_span}
     data["head_spans"] = analysis.head_span_history(run_events(run_dir))
     data["spans"] = model.spans()
     learned = data["spans"] if span_type.learned else None

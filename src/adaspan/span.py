@@ -46,6 +46,8 @@ class Span(nn.Module):
     learned = False  # True when z is trained (it has parameters and a penalty)
     input_dependent = False  # True when z depends on the tokens (then unknown in advance)
     per_layer = False  # True when all heads share one z (learned spans, ``per_layer=True``)
+    # for spans that vary per token: what the span at a character of a text is (report, Fig. 5)
+    token_span = ""
 
     def __init__(self, n_heads: int, max_span: int, ramp: int) -> None:
         super().__init__()
@@ -185,6 +187,8 @@ class DynamicSpan(Span):
 
     learned = True
     input_dependent = True
+    token_span = ("the dynamic span z_t + R (capped at S) its layer uses to predict the next "
+                  "character")
 
     def __init__(
         self, n_heads: int, max_span: int, ramp: int, d_model: int, bias_init: float = -4.0,
