@@ -152,8 +152,8 @@ def test_span_warnings_name_the_layers_at_their_minimum_and_the_heads_at_s():
     warnings = span_warnings(floored, config, before=[[12.0, 40.0], [8.0, 8.2]])
     assert warnings.keys() == {"minimum", "limit"}
     assert "every head of layer 1 stayed at its minimum span R = 8" in warnings["minimum"]
-    for advice in ("larger ramp (now 8)", "span_init > 0 (now 0.3)",
-                   "smaller span_loss_coef (now 2e-06)"):
+    for advice in ("larger ramp, up to the distance the data needs (now 8)",
+                   "span_init > 0 (now 0.3) alone", "smaller span_loss_coef (now 2e-06)"):
         assert advice in warnings["minimum"]
     assert "layer 0 head 1 reached S = 64" in warnings["limit"]
     assert "raise max_span" in warnings["limit"]

@@ -559,9 +559,10 @@ def span_warnings(spans: list[list[float]], config: ModelConfig,
         warnings["minimum"] = (
             f"every head of layer{'s' * (len(floored) > 1)} {', '.join(map(str, floored))} "
             f"stayed at its minimum span R = {R} (z = 0: it sees only the ramp); the long-range "
-            "signal may be absent or out of the ramp's reach: try a larger ramp (now "
-            f"{R}), span_init > 0 (now {config.span_init:g}) or a smaller span_loss_coef (now "
-            f"{config.span_loss_coef:g})")
+            "signal may be absent or out of the ramp's reach: try a larger ramp, up to the "
+            f"distance the data needs (now {R}), or a smaller span_loss_coef (now "
+            f"{config.span_loss_coef:g}); span_init > 0 (now {config.span_init:g}) alone "
+            "does not keep spans wide")
     full = {i: [h for h, s in enumerate(layer) if s >= S - SPAN_TOLERANCE]
             for i, layer in enumerate(spans)}
     if any(full.values()):
