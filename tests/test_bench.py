@@ -5,14 +5,16 @@ import json
 import pytest
 import torch
 
+from adaspan import bench, precision
 from adaspan.analysis import flops_per_char
 from adaspan.bench import build_bench_model
 from adaspan.cli import main
-from adaspan.config import ModelConfig
+from adaspan.config import ModelConfig, TrainConfig
+from adaspan.memory import training_estimate
 from adaspan.model import SpanLM
 
-FIELDS = {"attention", "max_span", "spans", "avg_span", "batch_size", "block_size", "dtype",
-          "compile_s",
+FIELDS = {"attention", "max_span", "spans", "avg_span", "batch_size", "block_size",
+          "train_precision", "eval_precision", "generate_precision", "torch", "compile_s",
           "device", "threads", "parameters", "train_chars_per_s", "eval_chars_per_s",
           "generate_chars_per_s", "flops_per_char", "train_gflops", "eval_gflops",
           "estimated_step_peak_mb", "process_peak_mb", "matmul_gflops"}
@@ -116,3 +118,40 @@ def test_bench_reports_the_span_a_vanilla_head_can_reach(capsys):
                  "--steps", "1", "--gen-chars", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["avg_span"] == pytest.approx(15)
+
+
+@pytest.mark.parametrize("dtype, parts", [
+    ("auto", {"train": "bfloat16", "eval": "float32", "generate": "float32"}),
+    ("float32", dict.fromkeys(("train", "eval", "generate"), "float32")),
+    ("bfloat16", dict.fromkeys(("train", "eval", "generate"), "bfloat16"))])
+def test_bench_runs_each_part_in_the_precision_it_reports(monkeypatch, capsys, dtype, parts):
+    """On a CPU with fast bf16: auto trains in bf16, evaluates and generates in fp32, as the
+    commands do; the generation timed runs under the autocast it reports."""
+    monkeypatch.setenv(precision.CPU_FAST_BF16, "1")
+    seen = []
+    timed = bench._generation_seconds
+
+    def generation(*args):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                    else torch.float32)
+        return timed(*args)
+
+    monkeypatch.setattr(bench, "_generation_seconds", generation)
+    assert main(["bench", *TINY, "--batch-size", "2", "--block-size", "16", "--steps", "1",
+                 "--gen-chars", "2", "--dtype", dtype, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {part: result[f"{part}_precision"] for part in parts} == parts
+    assert seen == [getattr(torch, parts["generate"])]
+
+
+def test_bench_estimates_memory_as_training_does():
+    """The optimiser's state, validation and the training precision, as train checks them."""
+    config = ModelConfig(n_layers=1, d_model=16, n_heads=4, d_inner=32, max_span=256, ramp=8)
+    result = bench.bench(config, batch_size=2, block_size=16, spans="8,16,32,256", steps=1,
+                         gen_chars=2, dtype="bfloat16", optimizer="adamw")
+    model = build_bench_model(config, "8,16,32,256", torch.device("cpu"))
+    train = TrainConfig(batch_size=2, block_size=16, optimizer="adamw", dtype="bfloat16")
+    assert result["estimated_step_peak_mb"] == training_estimate(model, train, 2).total / 2**20
+    adagrad = training_estimate(model, TrainConfig(batch_size=2, block_size=16,
+                                                   dtype="bfloat16"), 2)
+    assert result["estimated_step_peak_mb"] > adagrad.total / 2**20  # AdamW keeps 2 states

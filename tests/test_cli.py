@@ -101,7 +101,8 @@ def test_evaluate_states_what_it_scored_and_how(run_dir, capsys, streams):
     assert main(["evaluate", str(run_dir), *options]) == 0
     card = capsys.readouterr().out.splitlines()[-3:]
     assert card[0] == (f"  valid split: {streams * n:,} characters scored in {streams} "
-                       f"stream{'s' * (streams > 1)} (batch size) of {n}, blocks of 16")
+                       f"stream{'s' * (streams > 1)} (batch size) of {n}, blocks of 16, in "
+                       "float32 on cpu")  # a score: fp32 whatever the CPU
     assert card[1] == ("  cache carried from block to block: yes, up to "
                        f"{max(result['cache_positions'])} positions per stream")
     assert card[2].startswith(f"  {streams * math.ceil(longest)} characters (")

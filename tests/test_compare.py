@@ -35,7 +35,7 @@ TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "b
 METHODS = ["fixed", "adaptive", "xl"]
 EVAL_CHARS = 256
 FIELDS = ["method", "layers", "avg_span", "params", "flops_per_char", "peak_mb", "chars_per_s",
-          "steps", "valid_bpc", "test_bpc"]
+          "steps", "valid_bpc", "test_bpc", "train_precision", "eval_precision"]
 
 
 def _configs(*extra: str):
@@ -117,12 +117,16 @@ def test_without_matplotlib_the_table_is_written_and_the_figures_skipped(compare
     assert messages[-1].startswith("no figures: plots need matplotlib")
 
 
-def test_same_seed_gives_identical_results(compared, tmp_path):
-    out, rows = compared
-    (again,) = _compare(tmp_path, ["fixed"])
-    assert {**again, "chars_per_s": None} == {**rows[0], "chars_per_s": None}
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_same_seed_gives_identical_results(tmp_path, dtype):
+    """Trained in fp32 or under bf16 autocast, scored in fp32 (the default of a score)."""
+    first, again = (_compare(tmp_path / name, ["fixed"], extra=[f"dtype={dtype}"])
+                    for name in ("first", "again"))
+    assert {**again[0], "chars_per_s": None} == {**first[0], "chars_per_s": None}
+    assert (first[0]["train_precision"], first[0]["eval_precision"]) == (dtype, "float32")
     weights = "fixed/model.safetensors"
-    assert (tmp_path / weights).read_bytes() == (out / weights).read_bytes()
+    assert (tmp_path / "first" / weights).read_bytes() == (tmp_path / "again" / weights
+                                                            ).read_bytes()
 
 
 def test_markdown_has_header_and_one_row_per_method(compared):

@@ -144,7 +144,7 @@ def check_train_step(attention: str, **changes) -> None:
     results = []
     for split in (1, 2):
         config = TrainConfig(batch_size=4, batch_split=split, optimizer="adamw", lr=1e-3,
-                             warmup=0, clip=0.0)
+                             warmup=0, clip=0.0, dtype="float32")
         model = tiny(attention, **changes).train()
         optimizer = build_optimizer(model, config)
         scheduler = build_scheduler(optimizer, config)

@@ -32,6 +32,7 @@ from adaspan.checkpoint import (
 from adaspan.cli import main
 from adaspan.memory import estimate_training_memory, profiled_peak
 from adaspan.optim import build_optimizer, build_scheduler
+from adaspan.precision import choose
 from adaspan.train import train_step
 
 MODEL = TRAIN_MODEL
@@ -40,9 +41,10 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _options(data: str, **changes) -> dict:
+    """A run's options, its precision always named (the child processes decide nothing)."""
     values = dict(data=data, batch_size=4, block_size=32, steps=STEPS, optimizer="adamw",
                   lr=3e-3, warmup=2, clip=1.0, eval_interval=4, eval_chars=64, log_interval=2,
-                  checkpoint_interval=1, device="cpu", tensorboard=False)
+                  checkpoint_interval=1, device="cpu", tensorboard=False, dtype="float32")
     return {**values, **changes}
 
 
@@ -52,10 +54,19 @@ def _overrides(options: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference_weights(corpus_file, tmp_path_factory) -> dict[str, torch.Tensor]:
-    run = tmp_path_factory.mktemp("runs") / "uninterrupted"
-    train(MODEL, TrainConfig(**_options(corpus_file)), run, progress=False, log=lambda m: None)
-    return load_file(run / "model.safetensors")
+def reference_weights(corpus_file, tmp_path_factory):
+    """The weights of an uninterrupted run in a dtype: ``reference_weights(dtype)``."""
+    made: dict[str, dict[str, torch.Tensor]] = {}
+
+    def weights(dtype: str) -> dict[str, torch.Tensor]:
+        if dtype not in made:
+            run = tmp_path_factory.mktemp("runs") / f"uninterrupted-{dtype}"
+            train(MODEL, TrainConfig(**_options(corpus_file, dtype=dtype)), run,
+                  progress=False, log=lambda m: None)
+            made[dtype] = load_file(run / "model.safetensors")
+        return made[dtype]
+
+    return weights
 
 
 def _assert_same_weights(run: Path, expected: dict[str, torch.Tensor]) -> None:
@@ -108,20 +119,24 @@ def _resume(run: Path) -> None:
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0
 
 
+@pytest.mark.parametrize("dtype, renames, in_steps", [
+    ("float32", (2, 3, 4, 9, 20, 34), 6), ("bfloat16", (2, 4, 20), 3)])
 def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, corpus_file,
-                                                            reference_weights):
-    """12 kills: 6 inside checkpoint writes (before each of the three renames, the first
-    checkpoint included), 6 at random moments of random training steps; every run resumes to
-    the same weights as a run never interrupted, and no temporary file is left."""
+                                                            reference_weights, dtype, renames,
+                                                            in_steps):
+    """Kills inside checkpoint writes (before each of the three renames, the first checkpoint
+    included: 6 in fp32, 3 in bf16) and at random moments of random training steps (6 and 3);
+    every run resumes to the same weights as a run never interrupted, in fp32 as under bf16
+    autocast, and no temporary file is left."""
     rng = random.Random(0)
-    kills = [{"kill_at_rename": n} for n in (2, 3, 4, 9, 20, 34)]
+    kills = [{"kill_at_rename": n} for n in renames]
     kills += [{"kill_in_step": rng.randint(1, STEPS - 1), "delay": rng.uniform(0.0, 0.05)}
-              for _ in range(6)]
+              for _ in range(in_steps)]
     temporaries_seen = killed_in_training = 0
     for i, kill in enumerate(kills):
         run = tmp_path / f"run{i}"
         args = ["train", "--run-dir", str(run), "--no-progress", *_overrides(_options(
-            corpus_file))]
+            corpus_file, dtype=dtype))]
         child = _child(args, **kill)
         child.communicate(timeout=120)
         assert child.returncode == -signal.SIGKILL, kill
@@ -129,9 +144,9 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, corpus_fil
         if not _finished(run):
             _resume(run)
             killed_in_training += 1
-        _assert_same_weights(run, reference_weights)
+        _assert_same_weights(run, reference_weights(dtype))
         assert list(run.glob(".*.tmp")) == []
-    assert temporaries_seen >= 4  # the kills inside writes left files to clean up
+    assert temporaries_seen >= len(renames) - 2  # the kills inside writes left files to clean
     assert killed_in_training == len(kills)
 
 
@@ -146,9 +161,10 @@ def _wait_for(path: Path, child: subprocess.Popen, seconds: float = 60) -> None:
         time.sleep(0.01)
 
 
-def test_sigterm_saves_and_resumes_exactly(tmp_path, corpus_file, reference_weights):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sigterm_saves_and_resumes_exactly(tmp_path, corpus_file, reference_weights, dtype):
     run = tmp_path / "run"
-    options = _options(corpus_file, checkpoint_interval=100)  # only the signal saves
+    options = _options(corpus_file, checkpoint_interval=100, dtype=dtype)  # the signal saves
     child = _child(["train", "--run-dir", str(run), *_overrides(options)])
     _wait_for(run / "metrics.jsonl", child)
     child.send_signal(signal.SIGTERM)
@@ -158,18 +174,20 @@ def test_sigterm_saves_and_resumes_exactly(tmp_path, corpus_file, reference_weig
     assert "Traceback" not in stderr
     assert (run / STATE_FILE).exists()
     _resume(run)
-    _assert_same_weights(run, reference_weights)
+    _assert_same_weights(run, reference_weights(dtype))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(
-        tmp_path, corpus_file, reference_weights):
+        tmp_path, corpus_file, reference_weights, dtype):
     run = tmp_path / "run"
-    child = _child(["train", "--run-dir", str(run), *_overrides(_options(corpus_file))],
+    child = _child(["train", "--run-dir", str(run),
+                    *_overrides(_options(corpus_file, dtype=dtype))],
                    kill_at_rename=2)  # the first checkpoint's first rename
     child.communicate(timeout=120)
     assert (run / "config.json").exists() and not (run / STATE_FILE).exists()
     _resume(run)
-    _assert_same_weights(run, reference_weights)
+    _assert_same_weights(run, reference_weights(dtype))
 
 
 class _Payload:
@@ -315,20 +333,27 @@ def test_run_files_share_one_mode(tmp_path, corpus_file):
     assert set(modes.values()) == {0o666 & ~umask}, modes
 
 
-@pytest.mark.parametrize(("changes", "batch", "block", "optimizer"), [
-    ({}, 4, 64, "adamw"),
-    ({"d_model": 64, "n_heads": 4, "d_inner": 256, "max_span": 256}, 8, 128, "adagrad"),
+@pytest.mark.parametrize(("changes", "batch", "block", "optimizer", "dtype"), [
+    ({}, 4, 64, "adamw", "float32"),
+    ({}, 4, 64, "adamw", "bfloat16"),
+    ({"d_model": 64, "n_heads": 4, "d_inner": 256, "max_span": 256}, 8, 128, "adagrad",
+     "float32"),
+    ({"d_model": 64, "n_heads": 4, "d_inner": 256, "max_span": 256}, 8, 128, "adagrad",
+     "bfloat16"),
     ({"d_model": 32, "n_heads": 4, "n_layers": 3, "attention": "fixed", "max_span": 128}, 6,
-     96, "adamw"),
+     96, "adamw", "float32"),
 ])
 def test_memory_estimate_is_within_a_quarter_of_the_measured_peak(changes, batch, block,
-                                                                  optimizer):
+                                                                  optimizer, dtype):
+    """The estimate of a step in its precision (bf16 autocast: bf16 activations and weight
+    copies) against the peak of that step."""
     config = ModelConfig(**{**MODEL.to_dict(), **changes})
     torch.manual_seed(0)
     model = SpanLM(config)
     train_config = TrainConfig(batch_size=batch, block_size=block, optimizer=optimizer,
-                               lr=1e-3, warmup=0)
-    estimate = estimate_training_memory(model, optimizer, batch, block)
+                               lr=1e-3, warmup=0, dtype=dtype)
+    estimate = estimate_training_memory(model, optimizer, batch, block,
+                                        precision=choose(dtype, torch.device("cpu")))
     optimizer_ = build_optimizer(model, train_config)
     scheduler = build_scheduler(optimizer_, train_config)
     x = torch.randint(0, 256, (batch, block))

@@ -36,7 +36,7 @@ from adaspan.optim import build_optimizer, build_scheduler, lr_factor
 from adaspan.train import Diverged, RunComplete, span_warnings, train, train_step
 
 RECORD_FIELDS = {"step", "train_bpc", "valid_bpc", "lr", "chars_per_s", "avg_span", "max_span",
-                 "layer_avg_span", "layer_max_span", "head_spans", "elapsed"}
+                 "layer_avg_span", "layer_max_span", "head_spans", "elapsed", "precision"}
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -239,7 +239,7 @@ def test_batch_split_gives_the_full_batch_gradient(optimizer, lr):
     results = []
     for split in (1, 2):
         config = TrainConfig(batch_size=4, batch_split=split, optimizer=optimizer, lr=lr,
-                             warmup=0, clip=0.0)
+                             warmup=0, clip=0.0, dtype="float32")
         torch.manual_seed(0)
         model = SpanLM(dataclasses.replace(TRAIN_MODEL, dropout=0.0))
         opt = build_optimizer(model, config)
@@ -266,7 +266,7 @@ def test_per_tensor_clipping_equals_a_hand_computed_adagrad_update():
     the raw gradients; two steps, so that the second reads the unclipped accumulator."""
     lr, clip, eps = 0.07, 0.03, 1e-10
     config = TrainConfig(batch_size=4, optimizer="adagrad", lr=lr, warmup=0, clip=clip,
-                         clip_mode="per-tensor-lr")
+                         clip_mode="per-tensor-lr", dtype="float32")
     torch.manual_seed(0)
     model = SpanLM(dataclasses.replace(TRAIN_MODEL, dropout=0.0, span_init=0.5))
     optimizer = build_optimizer(model, config)

@@ -6,11 +6,14 @@ protocol of the authors' benchmark script) is reported. Training carries hidden 
 (their keys are recomputed with the current weights); evaluation and generation carry keys and
 values (:class:`adaspan.cache.KeyValueCache`). ``flops_per_char`` is the paper's convention
 (multiply-adds, :func:`adaspan.analysis.flops_per_char`); the GFLOP/s figures count 2 FLOPs per
-multiply-add, and a training step as 3 forward passes. ``dtype`` is the one the products ran
-in; ``compile_s`` the seconds of compiling and a first step with ``compile`` (else None);
+multiply-add, and a training step as 3 forward passes. Each part runs in the precision its
+command would (:func:`adaspan.precision.choose` of ``dtype`` for the jobs train, score and
+generate), reported as ``train_precision``, ``eval_precision`` and ``generate_precision``;
+``compile_s`` the seconds of compiling and a first step with ``compile`` (else None);
 ``threads`` the CPU threads of torch's operators (``adaspan bench --threads``).
 Memory (:data:`MEMORY_FIELDS`): ``estimated_step_peak_mb`` is the peak of one training step as
-estimated before training (what ``adaspan train`` checks against the memory available);
+estimated before training, with the same optimiser, validation and precision (what
+``adaspan train`` checks against the memory available);
 ``process_peak_mb`` is measured: the peak resident memory of this process on CPU (torch itself
 included), the peak memory torch allocated on CUDA.
 """
@@ -28,9 +31,9 @@ import torch
 
 from . import precision
 from .analysis import effective_spans, flops_per_char
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, TrainConfig
 from .decode import decoder
-from .memory import estimate_training_memory
+from .memory import training_estimate
 from .model import SpanLM
 
 MEMORY_FIELDS = {  # what each memory figure is, shown next to it by `adaspan bench`
@@ -103,24 +106,30 @@ def bench(
     dtype: str = "auto",
     statistic: str = "median",
     compile: bool = False,
+    optimizer: str = "adagrad",
 ) -> dict:
     """Measure ``config`` (see the module docstring); returns a flat dict of figures.
     ``compile`` compiles the dense parts (:meth:`SpanLM.compile_dense`) first; ``compile_s`` is
-    then the time of a first training and evaluation step, compilation included."""
+    then the time of a first training and evaluation step, compilation included.
+    ``optimizer`` is the one whose state the memory estimate counts (the timed steps use
+    Adagrad, the paper's)."""
     device = device or torch.device("cpu")
     model = build_bench_model(config, spans, device)
     chars = batch_size * block_size
-    autocast = precision.autocast(dtype, device)
+    jobs = {job: precision.choose(dtype, device, job) for job in precision.JOBS}
     compile_s = None
     if compile:
         start = time.perf_counter()
         model.compile_dense()
-        for measure in (train_seconds, eval_seconds):
-            measure(model, batch_size, block_size, 1, device, autocast, statistic)
+        train_seconds(model, batch_size, block_size, 1, jobs["train"], statistic)
+        eval_seconds(model, batch_size, block_size, 1, jobs["score"], statistic)
         compile_s = time.perf_counter() - start
-    train_s = train_seconds(model, batch_size, block_size, steps, device, autocast, statistic)
-    eval_s = eval_seconds(model, batch_size, block_size, steps, device, autocast, statistic)
-    gen_s = generation_seconds(model, block_size, gen_chars, device)
+    train_s = train_seconds(model, batch_size, block_size, steps, jobs["train"], statistic)
+    eval_s = eval_seconds(model, batch_size, block_size, steps, jobs["score"], statistic)
+    gen_s = generation_seconds(model, block_size, gen_chars, jobs["generate"])
+    estimate = training_estimate(model, TrainConfig(
+        batch_size=batch_size, block_size=block_size, optimizer=optimizer, dtype=dtype),
+        batch_size)
     flops = flops_per_char(model, block_size)  # paper's convention: multiply-adds
     train_cps, eval_cps = chars / train_s, chars / eval_s
     return {
@@ -131,7 +140,10 @@ def bench(
         / (config.n_layers * config.n_heads),
         "batch_size": batch_size,
         "block_size": block_size,
-        "dtype": precision.resolve_dtype(dtype, device),
+        "train_precision": jobs["train"].describe(),
+        "eval_precision": jobs["score"].describe(),
+        "generate_precision": jobs["generate"].describe(),
+        "torch": torch.__version__,
         "compile_s": compile_s,
         "device": str(device),
         "threads": torch.get_num_threads(),  # of torch's CPU operators
@@ -142,14 +154,14 @@ def bench(
         "flops_per_char": flops,
         "train_gflops": 2 * 3 * flops * train_cps / 1e9,  # 2 per multiply-add; fwd + bwd = 3x
         "eval_gflops": 2 * flops * eval_cps / 1e9,
-        "estimated_step_peak_mb": estimate_training_memory(
-            model, "adagrad", batch_size, block_size).total / 2**20,  # what train checks
+        "estimated_step_peak_mb": estimate.total / 2**20,  # what train checks
         "process_peak_mb": _peak_memory_mb(device),
         "matmul_gflops": matmul_gflops(device=device),
     }
 
 
-def train_seconds(model, batch_size, block_size, steps, device, autocast, statistic) -> float:
+def train_seconds(model, batch_size, block_size, steps, precision, statistic) -> float:
+    device = precision.device
     model.train()
     optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-9)  # the paper's optimiser
     cache = [model.empty_cache(batch_size)]
@@ -157,7 +169,7 @@ def train_seconds(model, batch_size, block_size, steps, device, autocast, statis
     def step() -> None:
         tokens = torch.randint(0, model.config.vocab_size, (batch_size, block_size + 1),
                                device=device)
-        with autocast:
+        with precision.applied():
             log_probs, cache[0] = model(tokens[:, :-1], cache[0])
             nll = -log_probs.gather(-1, tokens[:, 1:, None]).mean()
             loss = nll + model.span_loss()
@@ -170,24 +182,30 @@ def train_seconds(model, batch_size, block_size, steps, device, autocast, statis
 
 
 @torch.no_grad()
-def eval_seconds(model, batch_size, block_size, steps, device, autocast, statistic) -> float:
+def eval_seconds(model, batch_size, block_size, steps, precision, statistic) -> float:
+    device = precision.device
     model.eval()
     cache = [model.empty_cache(batch_size, keys_values=True)]
 
     def step() -> None:
         tokens = torch.randint(0, model.config.vocab_size, (batch_size, block_size),
                                device=device)
-        with autocast:
+        with precision.applied():
             _, cache[0] = model(tokens, cache[0])
 
     return seconds(step, steps, device, statistic)
 
 
 @torch.no_grad()
-def generation_seconds(model, block_size, gen_chars, device) -> float:
+def generation_seconds(model, block_size, gen_chars, precision) -> float:
     """Seconds per generated character at batch 1 (the cache filled by a first block), with
-    the per-token step of ``adaspan generate`` (:func:`adaspan.decode.decoder`) and greedy
-    choice of the next token."""
+    the per-token step of ``adaspan generate`` (:func:`adaspan.decode.decoder`) in
+    ``precision`` and greedy choice of the next token."""
+    with precision.applied():
+        return _generation_seconds(model, block_size, gen_chars, precision.device)
+
+
+def _generation_seconds(model, block_size, gen_chars, device) -> float:
     model.eval()
     prompt = torch.randint(0, model.config.vocab_size, (1, block_size), device=device)
     _, cache = model(prompt, model.empty_cache(1, keys_values=True))

@@ -220,7 +220,7 @@ def _add_evaluate(commands) -> None:
     p.add_argument("--max-chars", type=_positive_int,
                    help="score only the first N characters of the split (a contiguous prefix)")
     _add_device(p)
-    _add_dtype(p)
+    _add_dtype(p, "fp32 with TF32 off on any device, so the bpc does not depend on the hardware")
     _add_threads(p)
     p.add_argument("--token-logprobs", type=Path, metavar="FILE.npy",
                    help="save the natural-log probability of every scored token (float32, "
@@ -258,7 +258,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     if args.token_logprobs is not None:
         np.save(args.token_logprobs, logprobs)
     result = {**result, **short_context(model, result), "split": args.split, "data": name,
-              "dtype": args.dtype}
+              **result["precision"]}  # dtype, tf32, device, torch: what ran
+    del result["precision"]
     if args.json:
         print(json.dumps(_rounded(result)))
     else:
@@ -288,17 +289,17 @@ def _evaluation_card(result: dict, unit: str) -> str:
     streams = "1 stream" if result["streams"] == 1 else f"{result['streams']} streams"
     return "\n".join([
         f"  {result['split']} split: {result['chars']:,} {unit}s scored in {streams} (batch "
-        f"size) of {result['stream_chars']:,}, blocks of {result['block_size']}",
+        f"size) of {result['stream_chars']:,}, blocks of {result['block_size']}, in "
+        f"{result['dtype']}{' (TF32)' if result['tf32'] else ''} on {result['device']}",
         f"  cache carried from block to block: {cache}",
         f"  {short:,} {unit}s ({short / result['chars']:.2%}) scored with fewer than the "
         f"longest span ({longest:.1f}) of {unit}s before them: each stream starts without "
         "context (--batch-size 1: one stream)"])
 
 
-def _add_dtype(p: argparse.ArgumentParser) -> None:
+def _add_dtype(p: argparse.ArgumentParser, auto: str) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="products in bf16 (autocast) or fp32; auto: bf16 where the device has "
-                   "fast bf16, else fp32")
+                   help=f"products in bf16 (autocast) or fp32; auto: {auto}")
 
 
 def _add_device(p: argparse.ArgumentParser) -> None:
@@ -338,7 +339,8 @@ def _add_generate(commands) -> None:
                    help="seed of the sampling: a seed gives the same text at every call (the "
                    "default one too); pass another seed for another sample")
     _add_device(p)
-    _add_dtype(p)
+    _add_dtype(p, "fp32 on the CPU (faster there for one token at a time), bf16 on a GPU "
+               "with fast bf16")
     _add_threads(p)
     p.add_argument("--json", action="store_true",
                    help="no streaming: print one JSON object with the text and its speed")
@@ -350,18 +352,19 @@ def _generate(args: argparse.Namespace) -> int:
     Print the prompt, then each character as it is sampled."""
     from .checkpoint import load_model
     from .official import run_codec
-    from .precision import autocast
+    from .precision import choose
 
     _use_threads(args)
     codec = run_codec(args.run_dir)
     device = _device(args.device)
     model = load_model(args.run_dir, device)
-    with autocast(args.dtype, device):  # the tokens are computed as they are read
-        _sample(args, model, codec)
+    precision = choose(args.dtype, device, "generate")
+    with precision.applied():  # the tokens are computed as they are read
+        _sample(args, model, codec, precision)
     return 0
 
 
-def _sample(args: argparse.Namespace, model, codec) -> None:
+def _sample(args: argparse.Namespace, model, codec, precision) -> None:
     """Stream (or, with --json, time) the sampled text of ``_generate``."""
     from .generate import stream
 
@@ -377,7 +380,8 @@ def _sample(args: argparse.Namespace, model, codec) -> None:
         seconds = time.perf_counter() - tic
         print(json.dumps({"prompt": shown, "text": text.decode("utf-8", errors="replace"),
                           "chars": len(text), "seconds": round(seconds, 6),
-                          "chars_per_s": round(len(text) / seconds, 3) if seconds else None}))
+                          "chars_per_s": round(len(text) / seconds, 3) if seconds else None,
+                          **precision.record()}))
     else:
         _write_stream(shown, chars)
 
@@ -542,7 +546,8 @@ def _add_bench(commands) -> None:
     p.add_argument("--gen-chars", type=_positive_int, default=64,
                    help="characters generated for timing")
     _add_device(p)
-    _add_dtype(p)
+    _add_dtype(p, "each part as its command runs it: training bf16 where the device has fast bf16, "
+                "evaluation fp32, generation as `adaspan generate`")
     _add_threads(p)
     p.add_argument("--statistic", choices=("median", "mean"), default="median",
                    help="of the timed steps (mean: the protocol of the authors' bench script)")
@@ -565,7 +570,7 @@ def _bench(args: argparse.Namespace) -> int:
                                      else BENCH_BLOCK_SIZE)
     result = bench(model_config, args.batch_size, block_size, args.spans, args.steps,
                    args.gen_chars, _device(args.device), args.dtype, args.statistic,
-                   args.compile)
+                   args.compile, train_config.optimizer)
     if args.json:
         print(json.dumps(_rounded(result)))
     else:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from .analysis import (
@@ -39,9 +40,10 @@ from .data import Corpus, load_corpus
 from .distributed import resolve_device
 from .errors import UserError
 from .evaluate import evaluate
-from .memory import estimate_training_memory
+from .memory import training_estimate
 from .model import SpanLM
 from .page import Column, compare_page
+from .precision import choose
 from .registry import ATTENTIONS
 from .report import run_events
 from .train import train
@@ -138,7 +140,7 @@ def compare(
         if model.span_type.learned:
             learned[label] = measured["spans"]
     write_csv(rows, out_dir / CSV_FILE)
-    caption = _caption(train_config, eval_chars)
+    caption = _caption(train_config, eval_chars, device)
     (out_dir / MARKDOWN_FILE).write_text(f"{caption}\n\n{format_markdown(rows)}")
     log(f"wrote {out_dir / MARKDOWN_FILE} and {out_dir / CSV_FILE}")
     try:
@@ -256,20 +258,22 @@ def _evaluation(model: SpanLM, run_dir: Path, corpus: Corpus, splits: tuple[str,
     stored_file = run_dir / EVALUATION_FILE
     stored = json.loads(stored_file.read_text()) if stored_file.is_file() else {}
     if (stored.get("eval_chars") != eval_chars or not set(keys) <= set(stored.get("bpc", {}))
-            or "peak_mb" not in stored):
-        bpc = {key: evaluate(model, corpus.split(split), block_size=block_size,
-                             progress=progress, max_chars=eval_chars)["bpc"]
-               for key, split in zip(keys, splits, strict=True)}
+            or "peak_mb" not in stored or "precision" not in stored):
+        results = [evaluate(model, corpus.split(split), block_size=block_size,
+                            progress=progress, max_chars=eval_chars) for split in splits]
+        bpc = {key: result["bpc"] for key, result in zip(keys, results, strict=True)}
         streams = train_config.batch_size // train_config.batch_split
-        peak = estimate_training_memory(model, train_config.optimizer, streams, block_size)
+        peak = training_estimate(model, train_config, streams)
         stored = {"eval_chars": eval_chars, "bpc": bpc,
+                  "precision": results[0]["precision"],
                   "spans": effective_spans(model, block_size),
                   "flops_per_char": flops_per_char(model, block_size),
                   "peak_mb": peak.total / 2**20}
         text = json.dumps(stored) + "\n"
         atomic_write({stored_file: lambda path: path.write_text(text)})
     return {"spans": stored["spans"], "flops_per_char": stored["flops_per_char"],
-            "peak_mb": stored["peak_mb"], **{key: stored["bpc"][key] for key in keys}}
+            "peak_mb": stored["peak_mb"], "eval_precision": stored["precision"]["dtype"],
+            **{key: stored["bpc"][key] for key in keys}}
 
 
 def _row(model: SpanLM, summary: dict, measured: dict, with_limit: bool) -> dict:
@@ -287,6 +291,8 @@ def _row(model: SpanLM, summary: dict, measured: dict, with_limit: bool) -> dict
         "chars_per_s": summary["chars_per_s"],
         "steps": summary["steps"],
         **{key: value for key, value in measured.items() if key.endswith("_bpc")},
+        "train_precision": summary.get("precision", {}).get("dtype"),
+        "eval_precision": measured["eval_precision"],
     }
 
 
@@ -296,11 +302,14 @@ def _budget(train_config: TrainConfig) -> str:
             else f"{train_config.steps:,} steps")
 
 
-def _caption(train_config: TrainConfig, eval_chars: int | None) -> str:
+def _caption(train_config: TrainConfig, eval_chars: int | None, device: torch.device) -> str:
     budget = _budget(train_config)
     scope = f"first {eval_chars:,} characters (a prefix)" if eval_chars else "whole split"
+    trained, scored = (choose(train_config.dtype, device, job).describe()
+                       for job in ("train", "score"))
     return (f"{train_config.data}: every method trained for {budget} with seed "
-            f"{train_config.seed}; bpc over the {scope}.")
+            f"{train_config.seed} in {trained} on {device}; bpc over the {scope}, scored in "
+            f"{scored}.")
 
 
 def format_markdown(rows: list[dict]) -> str:

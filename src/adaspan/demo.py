@@ -39,7 +39,7 @@ def run_demo(
     result = evaluate(model, corpus.valid, batch_size=8, block_size=train_config.block_size,
                       progress=progress)
     say(f"validation: {result['bpc']:.3f} bits per character over {result['chars']:,} "
-        "characters (uniform over bytes: 8 bits)")
+        f"characters, scored in {result['precision']['dtype']} (uniform over bytes: 8 bits)")
     say("learned span of every head (tokens):\n" + span_table(model.spans()))
     sample = generate(model, PROMPT, 300, temperature=0.8,
                       generator=torch.Generator().manual_seed(0))

@@ -50,30 +50,29 @@ class Distributed:
         if self.active:
             torch_dist.barrier()
 
-    def agree(self, flags: list[bool], device: torch.device) -> list[bool]:
+    def agree(self, flags: list[bool]) -> list[bool]:
         """Each flag, true if it is true on any rank."""
-        return [bool(v) for v in self.largest([int(f) for f in flags], device)]
+        return [any(votes) for votes in zip(*self._gather(flags), strict=True)]
 
-    def largest(self, values: list[int], device: torch.device) -> list[int]:
+    def largest(self, values: list[int]) -> list[int]:
         """Each value's maximum over the ranks."""
-        if not self.active:
-            return values
-        votes = torch.tensor(values, dtype=torch.int64, device=device)
-        torch_dist.all_reduce(votes, op=torch_dist.ReduceOp.MAX)
-        return votes.tolist()
+        return [max(votes) for votes in zip(*self._gather(values), strict=True)]
 
-    def sum(self, values: list[float], device: torch.device) -> list[float]:
-        """Each value summed over the ranks (in float64: counts stay exact up to 2**53)."""
-        if not self.active:
-            return values
-        totals = torch.tensor(values, dtype=torch.float64, device=device)
-        torch_dist.all_reduce(totals)
-        return totals.tolist()
+    def sum(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks, in rank order (Python floats: float64)."""
+        return [sum(votes) for votes in zip(*self._gather(values), strict=True)]
 
-    def mean(self, value: float, device: torch.device) -> float:
+    def mean(self, value: float) -> float:
+        return self.sum([value])[0] / self.world_size
+
+    def _gather(self, values: list) -> list[list]:
+        """``values`` of every rank, in rank order. The values are the host's, and so is the
+        exchange (a gloo group beside NCCL's, :func:`host_group`): no rank waits for its GPU."""
         if not self.active:
-            return value
-        return self.sum([value], device)[0] / self.world_size
+            return [values]
+        gathered: list[list] = [[] for _ in range(self.world_size)]
+        torch_dist.all_gather_object(gathered, values, group=host_group())
+        return gathered
 
     def start(self, device: torch.device) -> bool:
         """Join the torchrun job's process group (nccl on CUDA, gloo on the CPU), bound to
@@ -86,7 +85,22 @@ class Distributed:
             if "device_id" in inspect.signature(torch_dist.init_process_group).parameters:
                 options["device_id"] = device  # torch >= 2.3: NCCL set up for this GPU at once
         torch_dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **options)
+        host_group()  # made now, by every rank at the same point
         return True
+
+
+_HOST_GROUP: list = []  # the gloo group of host values beside an NCCL one, once made
+
+
+def host_group() -> torch_dist.ProcessGroup | None:
+    """The process group that exchanges host values: the default one where it is gloo (CPU
+    training), else a gloo group made once beside it (its collectives run on the CPU, so
+    exchanging a flag never waits for a GPU's queue)."""
+    if torch_dist.get_backend() == "gloo":
+        return None
+    if not _HOST_GROUP:
+        _HOST_GROUP.append(torch_dist.new_group(backend="gloo"))
+    return _HOST_GROUP[0]
 
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")

@@ -23,7 +23,7 @@ from .config import ConfigError
 from .data import BlockStream
 from .distributed import Distributed
 from .model import SpanLM
-from .precision import autocast
+from .precision import Precision, choose
 
 
 def evaluate(
@@ -34,7 +34,7 @@ def evaluate(
     device: str | torch.device | None = None,
     progress: bool = False,
     max_chars: int | None = None,
-    dtype: str = "auto",
+    dtype: str | Precision = "auto",
     token_logprobs: bool = False,
     dist: Distributed | None = None,
 ) -> dict:
@@ -44,9 +44,11 @@ def evaluate(
     prefix, cut into the ``batch_size`` streams; rounded down to a multiple of it): a quick
     estimate for periodic validation. The model is moved to ``device`` (default: where it
     is), run in eval mode without gradients, and left in the train/eval mode it had.
-    ``dtype`` is that of the products (:mod:`adaspan.precision`: auto, float32 or bfloat16).
+    ``dtype`` is that of the products: a :class:`~adaspan.precision.Precision`, or auto,
+    float32 or bfloat16 as a scoring job chooses them (auto: fp32, TF32 off, on any device).
     Nothing waits for the device until the end but the upload of each block. Returns ``bpc``,
-    ``loss`` (nats per character) and ``chars`` (number of targets), then what was scored how:
+    ``loss`` (nats per character) and ``chars`` (number of targets), ``precision`` (what ran:
+    :meth:`~adaspan.precision.Precision.record`), then what was scored how:
     ``streams`` (``batch_size``), ``stream_chars`` (targets per stream), ``block_size``,
     ``cache_carried`` and ``cache_positions`` (per layer, the positions carried to the next
     block: 0 for a variant that carries none; :func:`short_context` adds how many targets had
@@ -73,13 +75,14 @@ def evaluate(
     stream = BlockStream(tokens, batch_size, block_size)
     rows, share = dist.rows(batch_size), dist.share(batch_size)
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    precision = dtype if isinstance(dtype, Precision) else choose(dtype, device, "score")
     was_training = model.training
     model.to(device).eval()
     nll, chars, kept = torch.zeros((), dtype=torch.float64, device=device), 0, []
     try:
         bar = tqdm(total=stream.num_chars // dist.world_size, unit="char", unit_scale=True,
                    desc="evaluating", disable=None if progress else True)
-        with torch.no_grad(), autocast(dtype, device), bar:
+        with torch.no_grad(), precision.applied(), bar:
             cache = model.empty_cache(share, keys_values=True)
             for _, x, y in stream.blocks():
                 x, y = torch.stack([x[rows], y[rows]]).to(device)  # one upload
@@ -92,13 +95,14 @@ def evaluate(
                 bar.update(y.numel())
     finally:
         model.train(was_training)
-    nll, chars = dist.sum([nll.item(), chars], device)
+    nll, chars = dist.sum([nll.item(), chars])
     chars = int(chars)
     loss = nll / chars
     carried = _positions(cache)
     result = {"bpc": loss / math.log(2), "loss": loss, "chars": chars, "streams": batch_size,
               "stream_chars": stream.stream_len, "block_size": block_size,
-              "cache_carried": max(carried) > 0, "cache_positions": carried}
+              "cache_carried": max(carried) > 0, "cache_positions": carried,
+              "precision": precision.record()}
     if token_logprobs:  # blocks are consecutive columns of the (batch_size, n) streams
         result["token_logprobs"] = torch.cat(kept, dim=1).flatten().cpu().numpy()
     return result

@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from .config import TrainConfig
 from .distributed import Distributed
 from .errors import UserError
 from .model import SpanLM
+from .precision import Precision, choose
 
 GB = 2**30
 OPTIMIZER_STATES = {"adagrad": 1, "adamw": 2}  # tensors of parameter size kept per parameter
@@ -66,36 +67,52 @@ class MemoryEstimate:
                 f"{size(self.optimizer)}, a step of {self.streams} streams {size(self.step)})")
 
 
+def training_estimate(model: SpanLM, config: TrainConfig, streams: int) -> MemoryEstimate:
+    """What training checks (and ``adaspan bench`` reports): a step of ``streams`` streams per
+    slice with ``config``'s block size, optimiser and precision, or its validation."""
+    return estimate_training_memory(model, config.optimizer, streams, config.block_size,
+                                    validation=True,
+                                    precision=choose(config.dtype, model.embed.weight.device))
+
+
 def estimate_training_memory(
-    model: SpanLM, optimizer: str, streams: int, block_size: int, validation: bool = False
+    model: SpanLM, optimizer: str, streams: int, block_size: int, validation: bool = False,
+    precision: Precision | None = None,
 ) -> MemoryEstimate:
     """Peak memory of a training step of ``model`` (at its current spans) with ``streams``
-    streams of ``block_size`` per slice, and ``optimizer``'s state; or, with
-    ``validation``, of a validation with as many streams, if larger. Random states are left
-    as they were: the probes do not change the course of training."""
+    streams of ``block_size`` per slice, and ``optimizer``'s state, in ``precision`` (None:
+    the parameters' dtype); or, with ``validation``, of a validation with as many streams, if
+    larger. Random states are left as they were: the probes do not change the course of
+    training."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
     devices = [model.embed.weight.device] if model.embed.weight.is_cuda else []
     with torch.random.fork_rng(devices=devices):
-        one, two = (step_peak_memory(model, n, block_size) for n in (1, 2))
+        one, two = (step_peak_memory(model, n, block_size, precision) for n in (1, 2))
     model.zero_grad(set_to_none=True)
+    value_bytes = 2 if precision is not None and precision.bf16 else None
     return MemoryEstimate(weights, OPTIMIZER_STATES[optimizer] * parameters, one,
                           max(two - one, 0), streams, parameters if validation else 0,
-                          evaluation_memory(model, 1, block_size) if validation else 0)
+                          evaluation_memory(model, 1, block_size, value_bytes)
+                          if validation else 0)
 
 
-def evaluation_memory(model: SpanLM, streams: int, block_size: int) -> int:
+def evaluation_memory(model: SpanLM, streams: int, block_size: int,
+                      value_bytes: int | None = None) -> int:
     """Bytes of the key/value buffers of an evaluation with ``streams`` streams of
-    ``block_size``: per layer, keys and values of the history its heads see (the longest
-    span, S for spans that depend on the tokens) in buffers with room for the next blocks
-    (:class:`adaspan.cache.KeyValueCache`: history + block + max(block, HEADROOM, history))."""
+    ``block_size``, ``value_bytes`` bytes per number (None: the parameters' size; 2 under bf16
+    autocast, whose keys and values are bf16): per layer, keys and values of the history its
+    heads see (the longest span, S for spans that depend on the tokens) in buffers with room
+    for the next blocks (:class:`adaspan.cache.KeyValueCache`: history + block +
+    max(block, HEADROOM, history))."""
     config, total = model.config, 0
+    value_bytes = value_bytes or model.embed.weight.element_size()
     for layer_spans in model.spans():
         span = config.max_span
         if not model.span_type.input_dependent:
             span = min(span, math.ceil(max(layer_spans) / config.span_bucket) * config.span_bucket)
         capacity = span + block_size + max(block_size, HEADROOM, span)
-        total += 2 * streams * config.d_model * capacity * model.embed.weight.element_size()
+        total += 2 * streams * config.d_model * capacity * value_bytes
     return total
 
 
@@ -142,9 +159,7 @@ def fit_batch_split(
     """The least ``batch_split`` (from ``config.batch_split`` up, dividing the ``streams`` of
     this process) whose step fits in ``available`` bytes at the model's current spans (None:
     not even one stream per slice fits), and the estimate it was chosen by."""
-    estimate = estimate_training_memory(
-        model, config.optimizer, streams // config.batch_split, config.block_size,
-        validation=True)
+    estimate = training_estimate(model, config, streams // config.batch_split)
     for split in range(config.batch_split, streams + 1):
         if streams % split == 0 and estimate.with_streams(streams // split).total <= available:
             return split, estimate
@@ -166,8 +181,7 @@ def check_training_memory(
             "available: set a smaller block_size or max_span, or a CPU preset "
             "(--preset cpu-small)")
     with spans_at_limit(model):
-        at_limit = estimate_training_memory(model, config.optimizer, streams // split,
-                                            config.block_size, validation=True)
+        at_limit = training_estimate(model, config, streams // split)
     raised = (f"; batch_split raised to {split} to fit" if split != config.batch_split
               else "")
     return split, (f"~{size(estimate.with_streams(streams // split).total)} at the current "
@@ -196,11 +210,13 @@ def available_memory(device: torch.device, processes: int = 1) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // processes
-def step_peak_memory(model: SpanLM, batch_size: int, block_size: int) -> int:
-    """Bytes allocated at the peak of one training step (forward, span penalty, backward) from
-    an empty cache (padded to each layer's window, so the window is full), beyond what was
-    allocated before the step (the weights): on CUDA from the allocator's peak counter, on CPU
-    from the profiler's allocation events (:func:`profiled_peak`)."""
+def step_peak_memory(model: SpanLM, batch_size: int, block_size: int,
+                     precision: Precision | None = None) -> int:
+    """Bytes allocated at the peak of one training step (forward, span penalty, backward), in
+    ``precision`` (None: the parameters' dtype), from an empty cache (padded to each layer's
+    window, so the window is full), beyond what was allocated before the step (the weights):
+    on CUDA from the allocator's peak counter, on CPU from the profiler's allocation events
+    (:func:`profiled_peak`)."""
     device = model.embed.weight.device
     seed = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (batch_size, block_size + 1),
@@ -209,9 +225,11 @@ def step_peak_memory(model: SpanLM, batch_size: int, block_size: int) -> int:
     model.zero_grad(set_to_none=True)
 
     def step() -> None:
-        log_probs, _ = model(tokens[:, :-1], model.empty_cache(batch_size))
-        nll = -log_probs.gather(-1, tokens[:, 1:, None]).mean()
-        (nll + model.span_loss()).backward()
+        with precision.applied() if precision is not None else nullcontext():
+            log_probs, _ = model(tokens[:, :-1], model.empty_cache(batch_size))
+            nll = -log_probs.gather(-1, tokens[:, 1:, None]).float().mean()
+            loss = nll + model.span_loss()
+        loss.backward()
 
     if device.type != "cuda":
         return profiled_peak(step)

@@ -33,14 +33,14 @@ class MetricsLog:
 
 
 def _scalars(record: dict) -> list[tuple[str, float]]:
-    """The record's values as TensorBoard scalars: a list ``x`` becomes ``x/0``, ``x/1``...,
-    a list of lists ``x/0/0``, ``x/0/1``..."""
+    """The record's numbers as TensorBoard scalars: a list ``x`` becomes ``x/0``, ``x/1``...,
+    a list of lists ``x/0/0``, ``x/0/1``... (words, such as the precision, are left out)."""
     scalars = []
     for name, value in record.items():
         if isinstance(value, list):
             for i, item in enumerate(value):
                 scalars += _scalars({f"{name}/{i}": item})
-        elif name != "step" and value is not None:
+        elif name != "step" and isinstance(value, int | float):
             scalars.append((name, value))
     return scalars
 

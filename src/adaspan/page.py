@@ -83,9 +83,16 @@ def report_page(data: dict, saved: dict, events: list[dict], config: ModelConfig
     return _page(f"adaspan report: {Path(data['run_dir']).name}", "".join(sections))
 
 
+def _validation(bpc: float, precision: str | None) -> str:
+    """A validation bpc of training, labelled with the precision it ran in (where recorded:
+    training validates in its own precision, not the fp32 of ``adaspan evaluate``)."""
+    return f"{bpc:.3f}" + (f" (validation prefix, {precision})" if precision else "")
+
+
 def _header(data: dict, saved: dict, events: list[dict]) -> str:
     last = events[-1] if events else {}
-    valid = [e["valid_bpc"] for e in events if e.get("valid_bpc") is not None]
+    valid = [(e["valid_bpc"], e.get("precision")) for e in events
+             if e.get("valid_bpc") is not None]
     summary = analysis.span_summary(data["spans"])
     facts = {
         "run directory": str(Path(data["run_dir"]).resolve()),
@@ -93,7 +100,7 @@ def _header(data: dict, saved: dict, events: list[dict]) -> str:
         "parameters": f"{data['parameters']:,}",
         "steps": f"{last['step']:,}" if last else "no metrics.jsonl",
         "training time": f"{last['elapsed'] / 60:.1f} min" if last.get("elapsed") else "-",
-        "last valid bpc": f"{valid[-1]:.3f}" if valid else "-",
+        "last valid bpc": _validation(*valid[-1]) if valid else "-",
         "average / longest span": f"{summary['avg_span']:.0f} / {summary['max_span']:.0f} tokens",
     }
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"

@@ -55,7 +55,7 @@ from .memory import OutOfMemory, check_training_memory, fit_batch_split, memory_
 from .metrics import MetricsLog
 from .model import SpanLM
 from .optim import build_optimizer, build_scheduler, lr_factor, step_with_tensor_clip
-from .precision import autocast, resolve_dtype, use_tf32
+from .precision import choose
 
 
 def train_step(
@@ -74,9 +74,12 @@ def train_step(
     The streams are processed in ``config.batch_split`` slices, each with its own cache rows;
     each slice's loss is divided by the number of slices, so the accumulated gradient is the
     gradient of the whole batch. ``net`` is ``model`` wrapped for distributed training.
-    Nothing here waits for the device but reading the spans once, when they changed.
+    The products run in the training precision of ``config.dtype``
+    (:func:`adaspan.precision.choose`). Nothing here waits for the device but reading the
+    spans once, when they changed.
     """
     net = net if net is not None else model
+    precision = choose(config.dtype, x.device, "train")
     slices = config.batch_split
     rows = x.shape[0] // slices
     optimizer.zero_grad(set_to_none=True)
@@ -85,7 +88,7 @@ def train_step(
         part = slice(k * rows, (k + 1) * rows)
         last = k == slices - 1
         with nullcontext() if last or net is model else net.no_sync():
-            with autocast(config.dtype, x.device):
+            with precision.applied():
                 log_probs, part_cache = net(x[part], cache.rows(part).layers)
                 nll = F.nll_loss(log_probs.flatten(0, 1).float(), y[part].flatten())
                 loss = (nll + model.span_loss()) / slices
@@ -122,12 +125,12 @@ def train(
     logged step (default: printed above the progress bar) and, once each, the warnings of
     :func:`span_warnings` seen at logged steps after the warm-up. Returns a summary: ``steps``,
     ``train_bpc``, ``valid_bpc``, ``chars_per_s``, ``avg_span``, ``max_span``, ``spans``,
-    ``elapsed`` and ``stopped`` ("completed" or "time_budget").
+    ``elapsed``, ``stopped`` ("completed" or "time_budget") and ``precision`` (what the
+    products ran in, :meth:`adaspan.precision.Precision.record`; validation's too).
     """
     dist = Distributed.from_env()
     train_config = stored_form(train_config)
     device = resolve_device(train_config.device, dist.local_rank, dist.world_size)
-    use_tf32(device)
     use_threads(train_config.threads)
     owns_group = dist.start(device)
     try:
@@ -229,7 +232,7 @@ def build_run(
         state = TrainingState(0, 0, _empty_cache(model, config, dist))
     split, memory = check_training_memory(model, config, dist.share(config.batch_size),
                                           available)  # before any write
-    config = replace(config, batch_split=dist.largest([split], device)[0])
+    config = replace(config, batch_split=dist.largest([split])[0])
     if dist.is_main and not resuming:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(run_dir, model_config, config)
@@ -306,6 +309,7 @@ class _Loop:
         self.span_mark: tuple[int, list[list[float]]] | None = None  # step, spans after warm-up
         self.saved_step = self.state.step if self.state.step else None  # last checkpoint
         self.estimated_window = self._longest_window()  # the memory estimate's, in buckets
+        self.precision = choose(self.config.dtype, self.device, "train")  # validation's too
         self.start = time.monotonic()
 
     def run(self) -> dict:
@@ -324,8 +328,8 @@ class _Loop:
                                    and time.monotonic() - self.start > config.time_budget)
                     signum = received()
                     over_budget, sigint, sigterm = self.dist.agree(
-                        [over_budget, signum == signal.SIGINT, signum == signal.SIGTERM],
-                        self.device)  # every rank stops together
+                        [over_budget, signum == signal.SIGINT, signum == signal.SIGTERM]
+                    )  # every rank stops together, agreeing on the host
                     bar.update(1)
                     done = state.step >= config.steps
                     self._record_and_save(done or over_budget, sigint or sigterm)
@@ -367,7 +371,7 @@ class _Loop:
         nll, worst = self.window.read()
         bits = worst / math.log(2)
         ok = math.isfinite(bits) and bits <= 2 * math.log2(self.model.config.vocab_size)
-        if self.dist.agree([not ok], self.device)[0]:
+        if self.dist.agree([not ok])[0]:
             self._stop_diverged(worst)
         return nll
 
@@ -414,7 +418,7 @@ class _Loop:
         self.estimated_window = longest
         config, streams = self.config, self.dist.share(self.config.batch_size)
         split, estimate = fit_batch_split(self.model, config, streams, self.setup.available)
-        if self.dist.agree([split is None], self.device)[0]:
+        if self.dist.agree([split is None])[0]:
             self._checkpoint()
             raise OutOfMemory(
                 f"stopped at step {self.state.step} with a checkpoint in {self.run_dir}: at the "
@@ -422,7 +426,7 @@ class _Loop:
                 f"with one stream per slice needs ~{size(estimate.with_streams(1).total)} of "
                 f"the {size(self.setup.available)} available; resume it where more "
                 "memory is (memory_limit=, a larger device) or train with a smaller max_span")
-        split = self.dist.largest([split], self.device)[0]
+        split = self.dist.largest([split])[0]
         if split != config.batch_split:
             need = size(estimate.with_streams(streams // config.batch_split).total)
             self.log(f"step {self.state.step}: spans up to "
@@ -444,7 +448,7 @@ class _Loop:
         seconds = time.monotonic() - self.window.start
         steps, trained = self.window.steps, self.trained
         self.trained = (trained[0] + steps, trained[1] + seconds)
-        train_bpc = self.dist.mean(nll / math.log(2), self.device)
+        train_bpc = self.dist.mean(nll / math.log(2))
         valid_bpc = self._validate() if validate else None
         avg_span, max_span = self._spans()
         layers = self.model.spans()
@@ -452,6 +456,7 @@ class _Loop:
             "step": self.state.step,
             "train_bpc": train_bpc,
             "valid_bpc": valid_bpc,
+            "precision": self.precision.describe(),  # of training and of its validation
             "lr": self.last["lr"],
             "chars_per_s": steps * self.chars_per_step / seconds,
             "avg_span": avg_span,
@@ -495,7 +500,7 @@ class _Loop:
         batch_size = self.config.batch_size // self.config.batch_split
         result = evaluate(self.model, self.setup.corpus.valid, batch_size=batch_size,
                           block_size=self.config.block_size, max_chars=self.config.eval_chars,
-                          dtype=self.config.dtype, dist=self.dist)
+                          dtype=self.precision, dist=self.dist)
         return result["bpc"]
 
     def _checkpoint(self) -> None:
@@ -516,7 +521,7 @@ class _Loop:
                 f"{config.steps:,} steps of {config.batch_size}x{config.block_size} chars, "
                 f"{config.optimizer} lr {config.lr:g}, on {self.device}{processes} "
                 f"({torch.get_num_threads()} CPU threads) in "
-                f"{resolve_dtype(config.dtype, self.device)}; memory "
+                f"{self.precision.describe()}; memory "
                 f"{self.setup.memory}")
 
     def _summary(self, stopped: str) -> dict:
@@ -532,6 +537,7 @@ class _Loop:
             "spans": self.model.spans(),
             "elapsed": self._elapsed(),
             "stopped": stopped,
+            "precision": self.precision.record(),
         }
         self.log(f"{stopped} at step {summary['steps']:,}: "
                  f"train bpc {_fmt(summary['train_bpc'])}, "
