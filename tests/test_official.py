@@ -211,6 +211,7 @@ def test_adaptive_checkpoint_matches_the_authors_equations(adaptive_run, data_di
     want = naive_authors_logprobs(state, tokens)
     assert got.dtype == np.float32 and got.shape == (len(tokens) - 1,)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert (result["dtype"], result["tf32"]) == ("float32", False)  # no --dtype: any CPU
     assert result["chars"] == len(tokens) - 1
     assert result["bpc"] == pytest.approx(-want.mean() / math.log(2), abs=1e-5)
     assert result["data"] == f"{data_dir} (authors' format)" and result["split"] == "valid"
