@@ -16,7 +16,7 @@ import torch
 
 from adaspan import ModelConfig, SpanLM
 from adaspan.analysis import flops_per_char
-from adaspan.presets import resolve_config
+from adaspan.resolve import resolve_config
 
 # (row, preset, attention, average span, the paper's #FLOPS and where it is given)
 ROWS = [

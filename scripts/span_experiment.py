@@ -15,12 +15,13 @@ import argparse
 import json
 from pathlib import Path
 
-from adaspan.analysis import flops_per_char, read_metrics
-from adaspan.checkpoint import load_model
+from adaspan.analysis import flops_per_char
+from adaspan.checkpoint import RunComplete, RunDir, load_model
 from adaspan.data import load_corpus, source_distance
 from adaspan.evaluate import bpc_by_distance, evaluate
-from adaspan.presets import resolve_config
-from adaspan.train import RunComplete, train
+from adaspan.metrics import read_metrics
+from adaspan.resolve import resolve_config
+from adaspan.train import train
 
 # The model and recipe every run shares; a run overrides some of it.
 COMMON = ["n_layers=1", "d_model=32", "n_heads=2", "d_inner=64", "dropout=0",
@@ -68,16 +69,15 @@ def run_one(out: Path, name: str, data: str, steps: int, overrides: list[str],
     model_config, train_config = resolve_config(
         None, None, [*COMMON, f"data={data}", f"steps={steps}", *overrides, *extra])
     run_dir = out / name
-    try:
-        summary = train(model_config, train_config, run_dir, resume=run_dir.exists(),
-                        progress=False, log=lambda line: None)
-    except RunComplete:
+    summary = train(model_config, train_config, run_dir, resume=run_dir.exists(),
+                    progress=False, log=lambda line: None)
+    if isinstance(summary, RunComplete):
         summary = json.loads((run_dir / "summary.json").read_text())
     (run_dir / "summary.json").write_text(json.dumps(summary))
     model = load_model(run_dir, "cpu")
     result = evaluate(model, load_corpus(data).valid, batch_size=1,
                       block_size=train_config.block_size, token_logprobs=True)
-    events = [e for e in read_metrics(run_dir / "metrics.jsonl") if "head_spans" in e]
+    events = [e for e in read_metrics(RunDir(run_dir).metrics_file) if "head_spans" in e]
     return {
         "run": name, "overrides": overrides, "steps": summary["steps"],
         "valid_bpc": result["bpc"],

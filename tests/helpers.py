@@ -75,7 +75,8 @@ def span_variants() -> list[str]:
 
 def baseline_variants() -> list[str]:
     """Registered variants defined in :mod:`adaspan.baselines`."""
-    return [name for name, build in ATTENTIONS.items() if build.__module__ == "adaspan.baselines"]
+    return [name for name, variant in ATTENTIONS.items()
+            if variant.build.__module__ == "adaspan.baselines"]
 
 
 # --- tiny training runs ---------------------------------------------------------------------

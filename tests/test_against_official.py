@@ -32,7 +32,7 @@ def test_every_configuration_is_one_adaspan_builds_with_its_spans():
     valid adaspan model whose heads get the spans the authors' script is given (cycled over
     the heads, as both scripts do)."""
     from adaspan.bench import build_bench_model
-    from adaspan.presets import resolve_config
+    from adaspan.resolve import resolve_config
 
     against_official = load_script("against_official")
     for name, config in against_official.CONFIGS.items():

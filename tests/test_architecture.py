@@ -12,16 +12,16 @@ PACKAGE = Path(adaspan.__file__).parent
 
 # Layer of every module, lowest first (the table of docs/architecture.md).
 LAYERS = {
-    "_version": 0, "errors": 0,
-    "registry": 1, "span": 1, "cache": 1, "download": 1, "distributed": 1, "analysis": 1,
-    "precision": 1, "synthetic": 1,
-    "config": 2, "data": 2, "band": 2,
-    "attention": 3, "page": 3,
+    "_version": 0, "errors": 0, "span": 0, "presets": 0,
+    "registry": 1, "files": 1, "cache": 1, "download": 1, "distributed": 1,
+    "analysis": 1, "precision": 1, "synthetic": 1,
+    "config": 2, "data": 2, "band": 2, "metrics": 2,
+    "attention": 3, "page": 3, "resolve": 3,
     "baselines": 4, "expire": 4, "persistent": 4,
     "model": 5,
     "checkpoint": 6, "decode": 6, "evaluate": 6, "optim": 6, "memory": 6,
-    "bench": 7, "generate": 7, "metrics": 7, "official": 7,
-    "train": 8, "presets": 8,
+    "bench": 7, "generate": 7, "official": 7,
+    "train": 8,
     "report": 9, "demo": 9,
     "compare": 10,
     "cli": 11, "__init__": 11,

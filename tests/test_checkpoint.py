@@ -1,5 +1,6 @@
-"""Run directories: atomic writes, the checks before a run starts or resumes, checkpoints that
-restore the training state, runs of older versions."""
+"""Run directories (RunDir): atomic writes, the checks before a run starts or resumes (in one
+place: settings and steps), checkpoints that restore the training state, runs of older
+versions."""
 
 from __future__ import annotations
 
@@ -19,19 +20,18 @@ from adaspan.checkpoint import (
     LEGACY_STATE_FILE,
     STATE_FILE,
     WEIGHTS_FILE,
+    RunComplete,
+    RunDir,
     RunDirError,
-    atomic_write,
+    TrainingState,
     load_model,
-    load_run_config,
     load_training_state,
     new_run_dir,
-    prepare_run_dir,
     read_state,
-    save_checkpoint,
-    save_config,
-    saved_step,
 )
 from adaspan.config import TrainConfig
+from adaspan.distributed import Distributed
+from adaspan.files import atomic_write
 from adaspan.optim import build_optimizer, build_scheduler
 
 
@@ -52,14 +52,29 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
 # --- before a run starts or resumes -------------------------------------------------------------
 
 
-def test_prepare_run_dir_accepts_only_a_new_or_empty_directory(tmp_path):
+def opened(run_dir: Path, config: TrainConfig, resume: bool = True) -> RunComplete | None:
+    return RunDir(run_dir).open(TRAIN_MODEL, config, resume, Distributed())
+
+
+def test_a_run_directory_names_every_file_of_a_run(tmp_path):
+    run = RunDir(tmp_path)
+    assert str(run) == str(tmp_path) and Path(run) == tmp_path
+    assert {path.relative_to(tmp_path).as_posix() for path in (
+        run.config_file, run.weights_file, run.state_file, run.metrics_file,
+        run.tensorboard_dir, run.archive_dir, run.report_dir, run.vocab_file,
+        run.part_file(12, 1))} == {
+        "config.json", "model.safetensors", "state.safetensors", "metrics.jsonl", "tb",
+        "checkpoints", "report", "vocab.json", "state.step-000000012.rank-1.safetensors"}
+
+
+def test_opening_a_new_run_accepts_only_a_new_or_empty_directory(tmp_path):
     config = tiny_train_config("kjv")
-    prepare_run_dir(tmp_path / "new", TRAIN_MODEL, config, resume=False)
-    prepare_run_dir(tmp_path, TRAIN_MODEL, config, resume=False)  # empty
+    assert opened(tmp_path / "new", config, resume=False) is None
+    assert opened(tmp_path, config, resume=False) is None  # empty
     (tmp_path / "notes.txt").write_text("precious")
     for taken in (tmp_path, tmp_path / "notes.txt"):
         with pytest.raises(RunDirError, match=r"already exists.*--resume"):
-            prepare_run_dir(taken, TRAIN_MODEL, config, resume=False)
+            opened(taken, config, resume=False)
     assert (tmp_path / "notes.txt").read_text() == "precious"
 
 
@@ -101,17 +116,17 @@ def saved_run(tmp_path) -> tuple[Path, SpanLM, TrainConfig, StreamCache]:
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
     cache = StreamCache([torch.randn(4, 9, 16), torch.randn(4, 5, 16)])
-    save_checkpoint(tmp_path, model, optimizer, scheduler, 3, 2, cache, config, elapsed=1.5)
+    RunDir(tmp_path).save(model, optimizer, scheduler, TrainingState(3, 2, cache, 1.5), config)
     return tmp_path, model, config, cache
 
 
 @pytest.mark.parametrize("name", TrainConfig.fixed_on_resume())
 def test_resume_refuses_another_value_of_an_option_it_must_keep(saved_run, name):
     run_dir, _, config, _ = saved_run
-    prepare_run_dir(run_dir, TRAIN_MODEL, config, resume=True)
+    assert opened(run_dir, config) is None
     changed = dataclasses.replace(config, **{name: another_value(config, name)})
     with pytest.raises(RunDirError, match=rf"cannot resume .*train\.{name}="):
-        prepare_run_dir(run_dir, TRAIN_MODEL, changed, resume=True)
+        opened(run_dir, changed)
 
 
 def test_resume_accepts_other_values_of_the_other_options(saved_run):
@@ -120,12 +135,23 @@ def test_resume_accepts_other_values_of_the_other_options(saved_run):
                    checkpoint_interval=9, time_budget=60.0, tensorboard=True,
                    clip_mode=another_value(config, "clip_mode"))
     assert not changes.keys() & set(TrainConfig.fixed_on_resume())
-    prepare_run_dir(run_dir, TRAIN_MODEL, dataclasses.replace(config, **changes), resume=True)
+    assert opened(run_dir, dataclasses.replace(config, **changes)) is None
+
+
+def test_resuming_needs_steps_left_and_a_complete_run_is_a_result(saved_run):
+    run_dir, _, config, _ = saved_run
+    files = {path: path.stat().st_mtime_ns for path in run_dir.iterdir()}
+    complete = opened(run_dir, dataclasses.replace(config, steps=3))
+    assert complete == RunComplete(run_dir, 3)
+    assert str(complete) == f"{run_dir} is complete at step 3; pass steps=6 to continue"
+    with pytest.raises(RunDirError, match="is at step 3, steps=2: nothing to train"):
+        opened(run_dir, dataclasses.replace(config, steps=2))
+    assert {path: path.stat().st_mtime_ns for path in run_dir.iterdir()} == files
 
 
 def test_a_checkpoint_restores_the_training_state(saved_run):
     run_dir, model, config, cache = saved_run
-    assert load_run_config(run_dir) == (TRAIN_MODEL, config)
+    assert RunDir(run_dir).load_config() == (TRAIN_MODEL, config)
     torch.manual_seed(1)
     restored = SpanLM(TRAIN_MODEL)
     optimizer = build_optimizer(restored, config)
@@ -140,12 +166,14 @@ def test_a_checkpoint_restores_the_training_state(saved_run):
 
 def test_saved_step_is_the_step_of_the_training_state(saved_run):
     run_dir = saved_run[0]
-    assert saved_step(run_dir) == 3
+    run = RunDir(run_dir)
+    assert run.saved_step() == 3
+    assert read_state(run.state_file, tensors=False)["cache"] == [None, None]  # no tensor read
     (run_dir / STATE_FILE).write_bytes(b"not a state file")
     with pytest.raises(RunDirError, match=r"cannot read .* refused"):
-        saved_step(run_dir)
+        run.saved_step()
     (run_dir / STATE_FILE).unlink()
-    assert saved_step(run_dir) is None  # nothing to resume from
+    assert run.saved_step() is None  # nothing to resume from
 
 
 def test_new_run_dirs_are_named_by_the_time():
@@ -178,12 +206,21 @@ def test_runs_of_adaspan_0_1_load_with_their_per_layer_position_tables(tmp_path)
     torch.testing.assert_close(loaded(tokens)[0], old.eval()(tokens)[0])
 
 
-def test_save_config_writes_both_sections(tmp_path):
+def test_creating_a_run_writes_both_sections(tmp_path):
     config = tiny_train_config("kjv", steps=5)
-    save_config(tmp_path, TRAIN_MODEL, config)
-    saved = json.loads((tmp_path / "config.json").read_text())
+    RunDir(tmp_path / "run").create(TRAIN_MODEL, config)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model"] == TRAIN_MODEL.to_dict() and saved["train"] == config.to_dict()
-    assert load_run_config(tmp_path) == (TRAIN_MODEL, config)
+    assert RunDir(tmp_path / "run").load_config() == (TRAIN_MODEL, config)
+
+
+def test_an_invalid_saved_configuration_names_the_file(tmp_path):
+    RunDir(tmp_path).create(TRAIN_MODEL, tiny_train_config("kjv"))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["train"]["steps"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(RunDirError, match=r"config\.json: steps must be a positive integer"):
+        RunDir(tmp_path).load_config()
 
 
 def test_a_run_of_adaspan_0_2_resumes_from_its_state_pt(tmp_path, corpus_file):
@@ -197,7 +234,7 @@ def test_a_run_of_adaspan_0_2_resumes_from_its_state_pt(tmp_path, corpus_file):
     del state["model"]
     torch.save(state, legacy / LEGACY_STATE_FILE)
     (legacy / STATE_FILE).unlink()
-    assert saved_step(legacy) == 3
+    assert RunDir(legacy).saved_step() == 3
     for run in (current, legacy):
         run_quietly(run, dataclasses.replace(config, steps=5), resume=True)
     assert not (legacy / LEGACY_STATE_FILE).exists()  # superseded by the new state file

@@ -26,8 +26,8 @@ from adaspan.compare import (
 )
 from adaspan.config import ConfigError
 from adaspan.page import compare_page
-from adaspan.presets import resolve_config
 from adaspan.registry import ATTENTIONS
+from adaspan.resolve import resolve_config
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
         "block_size=16", "eval_chars=64", "eval_interval=2", "log_interval=1",

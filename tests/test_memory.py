@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import TRAIN_MODEL, run_quietly, tiny, tiny_train_config
 
-from adaspan.checkpoint import saved_step
+from adaspan.checkpoint import RunDir
 from adaspan.memory import GB, OutOfMemory, estimate_training_memory, evaluation_memory
 from adaspan.model import SpanLM
 from adaspan.train import _Loop
@@ -85,7 +85,7 @@ def test_a_run_that_cannot_fit_one_stream_stops_with_a_checkpoint(tmp_path, corp
     with pytest.raises(OutOfMemory, match="stopped at step 3 with a checkpoint") as stop:
         run_quietly(run_dir, tiny_train_config(corpus_file, memory_limit=limit), MODEL)
     assert "\n" not in str(stop.value)
-    assert saved_step(run_dir) == 3
+    assert RunDir(run_dir).saved_step() == 3
     start = json.loads((run_dir / "config.json").read_text())["train"]
     assert start["batch_split"] == 4  # raised at the start already: one stream per slice
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from adaspan.checkpoint import WEIGHTS_FILE, load_model, load_weights, save_config
+from adaspan.checkpoint import RunDir, load_model, load_weights
 from adaspan.cli import main
 from adaspan.config import ModelConfig, TrainConfig
 from adaspan.data import load_corpus
@@ -380,11 +380,9 @@ def byte_run(tmp_path_factory):
     model = SpanLM(config)
     model.set_spans([[30, 6], [12, 40]])
     run = path / "run"
-    run.mkdir()
-    save_config(run, config, TrainConfig(data=str(path / "text.txt"), block_size=16,
-                                         tensorboard=False))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, run / WEIGHTS_FILE,
-              metadata={"step": "0"})
+    RunDir(run).create(config, TrainConfig(data=str(path / "text.txt"), block_size=16,
+                                           tensorboard=False),
+                       {k: v.contiguous() for k, v in model.state_dict().items()})
     return run, model.eval(), load_corpus(str(path / "text.txt"), progress=False).valid
 
 

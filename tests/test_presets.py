@@ -1,4 +1,4 @@
-"""Presets and the preset < config file < overrides resolution."""
+"""Presets (presets.py) and the preset < config file < overrides resolution (resolve.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from adaspan import ModelConfig, TrainConfig
 from adaspan.config import SECTIONS, ConfigError, Options
 from adaspan.model import parameter_count
-from adaspan.presets import PRESETS, resolve_config
+from adaspan.presets import PRESETS
+from adaspan.resolve import resolve_config
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

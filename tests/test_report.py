@@ -22,7 +22,7 @@ from adaspan.checkpoint import load_model
 from adaspan.cli import main
 from adaspan.data import load_corpus
 from adaspan.memory import profiled_peak
-from adaspan.registry import ATTENTIONS
+from adaspan.registry import ATTENTIONS, Variant
 from adaspan.report import (
     DATA_FILE,
     FIXED,
@@ -169,9 +169,9 @@ def test_a_variant_is_reported_by_what_its_span_type_does(tmp_path, monkeypatch)
         return SpanAttention(config, DynamicSpan(config.n_heads, config.max_span, config.ramp,
                                                  config.d_model))
 
-    monkeypatch.setitem(ATTENTIONS, "per-token test", build)
+    monkeypatch.setitem(ATTENTIONS, "per-token test", Variant(build, span=DynamicSpan))
     model = SpanLM(replace(MODEL, attention="per-token test"))
-    data = report_data(model, {"train": {"block_size": 16}}, tmp_path, "abcd", [16, 32], None)
+    data = report_data(model, TrainConfig(block_size=16), tmp_path, "abcd", [16, 32], None)
     assert data["learned_spans"] and len(data["dynamic"]["spans"][0]) == 4
     assert list(data["costs"]["curves"]) == [FIXED, LEARNED]
     assert data["dynamic"]["meaning"] == DynamicSpan.token_span
@@ -181,15 +181,15 @@ def test_figure_5_says_what_the_span_of_a_character_is(reports, tmp_path):
     """Each span type that varies per token says what its span at a character means."""
     assert "uses to predict the next character" in reports["dynamic"][0]
     model = SpanLM(replace(MODEL, attention="expire"))
-    data = report_data(model, {"train": {"block_size": 16}}, tmp_path, "abcd", [16, 32], None)
+    data = report_data(model, TrainConfig(block_size=16), tmp_path, "abcd", [16, 32], None)
     assert data["dynamic"]["meaning"].startswith("the lifetime min(L, e_i + R)")
 
 
 def test_default_text_is_a_sentence_of_the_valid_split(runs):
-    text = default_text({"train": {"data": "kjv"}})
+    text = default_text(TrainConfig(data="kjv"))
     valid = bytes(load_corpus("kjv", progress=False).valid[:4000]).decode("ascii")
     assert text in valid and text[0].isupper() and TEXT_CHARS // 2 < len(text) <= TEXT_CHARS
-    assert default_text({"train": {"data": "/no/such/corpus.txt"}}).startswith("The span")
+    assert default_text(TrainConfig(data="/no/such/corpus.txt")).startswith("The span")
 
 
 def test_cli_report_with_text_out_and_no_memory(runs, tmp_path, capsys):

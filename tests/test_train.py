@@ -24,8 +24,8 @@ from adaspan.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
     WEIGHTS_FILE,
+    RunDir,
     load_model,
-    load_run_config,
     load_training_state,
 )
 from adaspan.config import TrainConfig
@@ -49,7 +49,7 @@ def records(run_dir: Path) -> list[dict]:
 
 def checkpoint_step(run_dir: Path) -> int:
     """The step of the training state saved in ``run_dir``."""
-    model_config, config = load_run_config(run_dir)
+    model_config, config = RunDir(run_dir).load_config()
     model = SpanLM(model_config)
     optimizer = build_optimizer(model, config)
     return load_training_state(run_dir, model, optimizer, build_scheduler(optimizer, config)).step
@@ -78,9 +78,11 @@ def test_resume_equals_uninterrupted(tmp_path, corpus_file, uninterrupted):
     assert summary["steps"] == 8 and summary["stopped"] == "completed"
     assert_same_weights(weights(tmp_path), uninterrupted)
     assert [r["step"] for r in records(tmp_path)] == [2, 4, 6, 8]  # stale records dropped
-    with pytest.raises(RunComplete, match="complete at step 8; pass steps=16") as complete:
-        run_quietly(tmp_path, tiny_train_config(corpus_file), resume=True)  # no step left
-    assert complete.value.step == 8
+    files = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")}
+    complete = run_quietly(tmp_path, tiny_train_config(corpus_file), resume=True)  # no step left
+    assert isinstance(complete, RunComplete) and complete.step == 8  # a result, not an error
+    assert str(complete) == f"{tmp_path} is complete at step 8; pass steps=16 to continue"
+    assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")} == files
 
 
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues_exactly(tmp_path, corpus_file,

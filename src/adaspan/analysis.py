@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import io
-import json
 import math
 from pathlib import Path
 
@@ -55,17 +54,6 @@ def span_table(spans: list[list[float]]) -> str:
     summary = span_summary(spans)
     rows.append(f"average span {summary['avg_span']:.1f}, longest {summary['max_span']:.0f}")
     return "\n".join(rows)
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The events of a run's ``metrics.jsonl`` (unparseable lines are skipped)."""
-    events = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
 
 
 class PlotError(UserError, RuntimeError):

@@ -244,24 +244,37 @@ def _indices(heads: list[int], d_head: int, device: torch.device
     return torch.tensor(heads, device=device), torch.tensor(rows, device=device)
 
 
-@register_attention("fixed")
-def fixed_span_attention(config: ModelConfig) -> SpanAttention:
+def fixed_span(config: ModelConfig) -> FixedSpan:
     """Every head sees the last ``max_span`` tokens (the paper's fixed-span model)."""
-    return SpanAttention(config, FixedSpan(config.n_heads, config.max_span, config.ramp))
+    return FixedSpan(config.n_heads, config.max_span, config.ramp)
 
 
-@register_attention("adaptive")
-def adaptive_span_attention(config: ModelConfig) -> SpanAttention:
+def adaptive_span(config: ModelConfig) -> AdaptiveSpan:
     """One learned span z per head (paper §2.2), or per layer (``span_per="layer"``)."""
-    return SpanAttention(config, AdaptiveSpan(config.n_heads, config.max_span, config.ramp,
-                                              init=config.span_init,
-                                              per_layer=config.span_per == "layer"))
+    return AdaptiveSpan(config.n_heads, config.max_span, config.ramp, init=config.span_init,
+                        per_layer=config.span_per == "layer")
 
 
-@register_attention("dynamic")
-def dynamic_span_attention(config: ModelConfig) -> SpanAttention:
+def dynamic_span(config: ModelConfig) -> DynamicSpan:
     """A span predicted per token, z_t = S sigmoid(v . x_t + b) (paper §2.2, dynamic), per head
     or per layer (``span_per="layer"``)."""
-    return SpanAttention(config, DynamicSpan(config.n_heads, config.max_span, config.ramp,
-                                             config.d_model, config.dynamic_bias_init,
-                                             per_layer=config.span_per == "layer"))
+    return DynamicSpan(config.n_heads, config.max_span, config.ramp, config.d_model,
+                       config.dynamic_bias_init, per_layer=config.span_per == "layer")
+
+
+@register_attention("fixed", span=FixedSpan, span_of=fixed_span)
+def fixed_span_attention(config: ModelConfig) -> SpanAttention:
+    """Span attention with a fixed span (:func:`fixed_span`)."""
+    return SpanAttention(config, fixed_span(config))
+
+
+@register_attention("adaptive", span=AdaptiveSpan, span_of=adaptive_span)
+def adaptive_span_attention(config: ModelConfig) -> SpanAttention:
+    """Span attention with learned spans (:func:`adaptive_span`)."""
+    return SpanAttention(config, adaptive_span(config))
+
+
+@register_attention("dynamic", span=DynamicSpan, span_of=dynamic_span)
+def dynamic_span_attention(config: ModelConfig) -> SpanAttention:
+    """Span attention with spans predicted per token (:func:`dynamic_span`)."""
+    return SpanAttention(config, dynamic_span(config))

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from .attention import Attention, SpanAttention
 from .band import banded_attention, skew
 from .cache import advance, fit_cache
-from .config import ModelConfig
+from .config import ModelConfig, require
 from .registry import register_attention
 from .span import FixedSpan
 
@@ -60,7 +60,7 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
     return torch.softmax(scores, dim=-1) * mask
 
 
-@register_attention("vanilla")
+@register_attention("vanilla", span=FixedSpan)
 class VanillaAttention(SpanAttention):
     """Fixed span S inside the current block only, no cache (T12 of Al-Rfou et al. 2019).
 
@@ -103,7 +103,7 @@ class VanillaAttention(SpanAttention):
         return y, x.new_zeros(B, 0, x.shape[2])
 
 
-@register_attention("xl")
+@register_attention("xl", span=FixedSpan)
 class XLAttention(Attention):
     """Transformer-XL attention (Dai et al. 2019, §3.3) over a memory of S = ``max_span`` states.
 
@@ -176,7 +176,14 @@ class XLAttention(Attention):
         return q, k, r
 
 
-@register_attention("factorized")
+def _check_factorized(config: ModelConfig) -> None:
+    """Both head types, and the A(1) blocks inside the window: n_heads >= 2, max_span >= l."""
+    require("n_heads", config.n_heads, lambda v: v >= 2, ">= 2 for factorized attention")
+    require("max_span", config.max_span, lambda v: v >= config.factorized_stride,
+            f">= factorized_stride={config.factorized_stride} for factorized attention")
+
+
+@register_attention("factorized", span=FixedSpan, check=_check_factorized)
 class FactorizedAttention(Attention):
     """Sparse Transformer "fixed" factorized attention (Child et al. 2019), stride l, c summaries.
 

@@ -1,4 +1,6 @@
-"""Run directories: configuration, weights and training state, written atomically.
+"""Run directories: one object, :class:`RunDir`, that names a run's files, holds its
+configuration, opens it to train (a new run, or a resumed one: every check in one place), and
+saves, archives and restores its checkpoints, written atomically (:mod:`adaspan.files`).
 
 Layout of a run directory::
 
@@ -9,9 +11,11 @@ Layout of a run directory::
     state.step-N.rank-R.safetensors
                         under torchrun, the carried cache rows and RNG state of rank R >= 1
                         (rank 0's are in state.safetensors), written by that process
-    metrics.jsonl       one JSON object per log/eval event (written by adaspan.train)
-    checkpoints/        step-N/: the last ``keep_last`` checkpoints (hard links), if asked
+    metrics.jsonl       one JSON object per log/eval event (:mod:`adaspan.metrics`)
     tb/                 TensorBoard events (when tensorboard is installed)
+    checkpoints/        step-N/: the last ``keep_last`` checkpoints (hard links), if asked
+    report/             what ``adaspan report`` writes by default
+    vocab.json          a run converted from the authors' code: its symbols (adaspan.official)
 
 Nothing is read with pickle, so a run directory from elsewhere cannot run code (the
 ``state.pt`` of adaspan 0.1-0.2 runs is read with ``torch.load(weights_only=True)``).
@@ -30,12 +34,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pickle
 import random
 import re
 import shutil
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -52,24 +56,27 @@ from .config import ConfigError, ModelConfig, TrainConfig
 from .data import resolve_data
 from .distributed import Distributed
 from .errors import UserError
+from .files import TEMP_SUFFIX, atomic_write, load_pickled_tensors
+from .metrics import MetricsLog
 from .model import SpanLM
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
 LEGACY_STATE_FILE = "state.pt"  # adaspan 0.1-0.2
-TEMP_SUFFIX = ".tmp"
 PART_FILE = re.compile(r"state\.step-(\d+)\.rank-(\d+)\.safetensors")  # a rank's part of the state
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tb"
 ARCHIVE_DIR = "checkpoints"  # earlier checkpoints kept with TrainConfig.keep_last
+REPORT_DIR = "report"
+VOCAB_FILE = "vocab.json"  # a converted run's symbols
+NEW_RUN_ADVICE = "pass --resume to continue that run, or choose another directory"
+
+Writer = Callable[[Path], None]  # writes one file, given the path to write it to
 
 
 class RunDirError(UserError):
     """A run directory is missing, incomplete, inconsistent or would be overwritten."""
-
-
-class CheckpointFileError(UserError, ValueError):
-    """A file read as a PyTorch checkpoint that is not one, or holds more than tensors and
-    plain values (which could run code): refused."""
 
 
 @dataclass
@@ -82,92 +89,193 @@ class TrainingState:
     elapsed: float = 0.0  # seconds of training so far
 
 
-def atomic_write(files: dict[Path, Callable[[Path], None]]) -> None:
-    """Create or replace each path by calling its writer on a temporary file first.
+@dataclass(frozen=True)
+class RunComplete:
+    """A run resumed at the step it was asked to reach: nothing to train, and not an error (the
+    run is left as it is). ``str()`` says so, with the ``steps`` that would continue it."""
 
-    All temporary files are written and fsynced before any is renamed into place.
-    """
-    temps: dict[Path, Path] = {}
-    mode = 0o666 & ~_umask()
-    try:
-        for path, write in files.items():
-            temps[path] = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
-            write(temps[path])
-            os.chmod(temps[path], mode)  # as a plain open() would (safetensors writes 0600)
-            with temps[path].open("rb+") as written:
-                os.fsync(written.fileno())
-        for path, temp in temps.items():
-            os.replace(temp, path)
-    finally:
-        for temp in temps.values():
-            temp.unlink(missing_ok=True)
-    for folder in {path.parent for path in files}:
-        _fsync_dir(folder)
+    run_dir: Path
+    step: int
+
+    def __str__(self) -> str:
+        return (f"{self.run_dir} is complete at step {self.step}; pass steps={2 * self.step} "
+                "to continue")
 
 
-def remove_temporaries(run_dir: Path) -> None:
-    """Delete the temporary files that an interrupted :func:`atomic_write` left, and the
-    ranks' parts of the state that an interrupted or superseded checkpoint left."""
-    for path in run_dir.glob(f".*{TEMP_SUFFIX}"):
-        if path.is_file():
-            path.unlink(missing_ok=True)
-    last = saved_step(run_dir)
-    _remove_parts(run_dir, keep=lambda step: step == last)
+class RunDir:
+    """A run directory: the paths of its files, its configuration, opening it to train, its
+    checkpoints. ``str()`` and ``os.fspath()`` give its path."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.config_file = self.path / CONFIG_FILE
+        self.weights_file = self.path / WEIGHTS_FILE
+        self.state_file = self.path / STATE_FILE
+        self.metrics_file = self.path / METRICS_FILE
+        self.tensorboard_dir = self.path / TENSORBOARD_DIR
+        self.archive_dir = self.path / ARCHIVE_DIR
+        self.report_dir = self.path / REPORT_DIR
+        self.vocab_file = self.path / VOCAB_FILE
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def part_file(self, step: int, rank: int) -> Path:
+        """Where rank ``rank`` (>= 1) writes its part of the state of step ``step``."""
+        return self.path / f"state.step-{step:09d}.rank-{rank}.safetensors"
+
+    def parts(self) -> dict[Path, int]:
+        """The ranks' parts of the state in the directory, with their steps."""
+        return {path: int(match[1]) for path in self.path.glob("state.step-*.rank-*.safetensors")
+                if (match := PART_FILE.fullmatch(path.name))}
+
+    def load_config(self) -> tuple[ModelConfig, TrainConfig]:
+        """The model and train configurations saved here (an invalid one: RunDirError)."""
+        saved = _read_config(self)
+        try:
+            return ModelConfig.from_dict(saved["model"]), TrainConfig.from_dict(saved["train"])
+        except ConfigError as exc:
+            raise RunDirError(f"{self.config_file}: {exc}") from exc
+
+    def require_new(self, advice: str = NEW_RUN_ADVICE) -> None:
+        """Refuse a path that exists and is not an empty directory (the message ends with
+        ``advice``), or where no file can be written: RunDirError."""
+        if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
+            raise RunDirError(f"run directory {self} already exists and is not empty: {advice}")
+        _check_writable(self.path)
+
+    def open(self, model_config: ModelConfig, config: TrainConfig, resume: bool,
+             dist: Distributed) -> RunComplete | None:
+        """Check, before anything is loaded or written, that training may start here: a new
+        run (:meth:`require_new`), or with ``resume`` one that exists, was set up alike (the
+        model, and the options fixed on resume), is writable and has steps left before
+        ``config.steps`` (a run at exactly ``steps`` is :class:`RunComplete`, returned; past
+        them, RunDirError). Then, once every rank has checked, rank 0 removes what an
+        interrupted save left."""
+        if not resume:
+            self.require_new()
+        else:
+            _check_settings(self, model_config, config)
+            _check_writable(self.path)
+            step = self.saved_step()
+            if step is not None and step >= config.steps:
+                if step == config.steps:
+                    return RunComplete(self.path, step)
+                raise RunDirError(f"{self} is at step {step:,}, steps={config.steps:,}: nothing "
+                                  "to train; pass a larger steps=N to continue it")
+        dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
+        if dist.is_main and self.path.is_dir():
+            self._remove_temporaries()
+        return None
+
+    def create(self, model_config: ModelConfig, train_config: TrainConfig,
+               weights: dict[str, torch.Tensor] | None = None, step: int = 0,
+               files: dict[Path, Writer] | None = None) -> None:
+        """Make the directory and write its configuration, with ``weights`` (saved at
+        ``step``) and any other ``files``, atomically together."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        writers = {self.config_file: _config_writer(model_config, train_config)}
+        if weights is not None:
+            writers[self.weights_file] = _weights_writer(weights, step)
+        atomic_write({**writers, **(files or {})})
+
+    def restore(self, model: SpanLM, optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LRScheduler,
+                device: str | torch.device = "cpu",
+                dist: Distributed | None = None) -> TrainingState | None:
+        """The training state of the checkpoint, loaded into ``model``, ``optimizer`` and
+        ``scheduler`` (:func:`load_training_state`); None for a run stopped before its first
+        checkpoint."""
+        if not self.has_checkpoint():
+            return None
+        return load_training_state(self, model, optimizer, scheduler, device, dist)
+
+    def has_checkpoint(self) -> bool:
+        """Whether the directory holds weights and training state to resume from."""
+        return self.weights_file.is_file() and self.state_path() is not None
+
+    def saved_step(self) -> int | None:
+        """The step of the checkpoint, read without loading its tensors; None without one."""
+        if not self.has_checkpoint():
+            return None
+        return int(read_state(self.state_path(), tensors=False)["step"])
+
+    def save(self, model: SpanLM, optimizer: torch.optim.Optimizer,
+             scheduler: torch.optim.lr_scheduler.LRScheduler, state: TrainingState,
+             train_config: TrainConfig, dist: Distributed | None = None) -> None:
+        """Write config, weights and training ``state`` atomically, every rank of ``dist`` its
+        part (:func:`_save_checkpoint`)."""
+        _save_checkpoint(self, model, optimizer, scheduler, state, train_config,
+                         dist if dist is not None else Distributed())
+
+    def archive(self, step: int, keep_last: int) -> Path:
+        """Link the latest checkpoint's files into ``checkpoints/step-N`` and delete all but
+        the ``keep_last`` newest there; return the new folder."""
+        folder = self.archive_dir / f"step-{step:09d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        parts = [path for path, part_step in self.parts().items() if part_step == step]
+        for path in (self.config_file, self.weights_file, self.state_file, *parts):
+            target = folder / path.name
+            target.unlink(missing_ok=True)
+            os.link(path, target)  # the run's files are replaced, never rewritten
+        for old in sorted(self.archive_dir.glob("step-*"))[:-keep_last]:
+            shutil.rmtree(old)
+        return folder
+
+    def metrics_log(self, start_step: int, tensorboard: bool) -> MetricsLog:
+        """The run's metrics records (and TensorBoard events, if asked), resumed at
+        ``start_step``."""
+        return MetricsLog(self.metrics_file, start_step,
+                          self.tensorboard_dir if tensorboard else None)
+
+    def state_path(self) -> Path | None:
+        """The training state: ``state.safetensors``, or the ``state.pt`` of a 0.1-0.2 run."""
+        for path in (self.state_file, self.path / LEGACY_STATE_FILE):
+            if path.is_file():
+                return path
+        return None
+
+    def _remove_temporaries(self) -> None:
+        """Delete the temporary files that an interrupted atomic write left, and the ranks'
+        parts of the state that an interrupted or superseded checkpoint left."""
+        for path in self.path.glob(f".*{TEMP_SUFFIX}"):
+            if path.is_file():
+                path.unlink(missing_ok=True)
+        last = self.saved_step()
+        _remove_parts(self, keep=lambda step: step == last)
 
 
-def _part_path(run_dir: Path, step: int, rank: int) -> Path:
-    return run_dir / f"state.step-{step:09d}.rank-{rank}.safetensors"
-
-
-def _parts(run_dir: Path) -> dict[Path, int]:
-    """The ranks' parts of the state in ``run_dir``, with their steps."""
-    return {path: int(match[1]) for path in run_dir.glob("state.step-*.rank-*.safetensors")
-            if (match := PART_FILE.fullmatch(path.name))}
-
-
-def _remove_parts(run_dir: Path, keep: Callable[[int], bool]) -> None:
-    for path, step in _parts(run_dir).items():
+def _remove_parts(run: RunDir, keep: Callable[[int], bool]) -> None:
+    for path, step in run.parts().items():
         if not keep(step):
             path.unlink(missing_ok=True)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(folder: Path) -> None:
-    handle = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-
-
-def _json_writer(payload: dict) -> Callable[[Path], None]:
+def _json_writer(payload: dict) -> Writer:
     return lambda path: path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def save_config(
-    run_dir: str | Path, model_config: ModelConfig, train_config: TrainConfig
-) -> None:
-    """Write ``config.json``: both configurations (dataclasses) and the adaspan version."""
-    path = Path(run_dir) / CONFIG_FILE
-    atomic_write({path: _json_writer(_config_payload(model_config, train_config))})
-
-
-def _config_payload(model_config: ModelConfig, train_config: TrainConfig) -> dict:
-    return {
+def _config_writer(model_config: ModelConfig, train_config: TrainConfig) -> Writer:
+    """``config.json``: both configurations (dataclasses) and the adaspan version."""
+    return _json_writer({
         "adaspan_version": __version__,
         "model": model_config.to_dict(),
         "train": train_config.to_dict(),
-    }
+    })
 
 
-def read_config(run_dir: str | Path) -> dict:
-    """The contents of ``config.json``: ``model`` and ``train`` dicts, ``adaspan_version``."""
-    path = _require_file(Path(run_dir), CONFIG_FILE)
+def _weights_writer(weights: dict[str, torch.Tensor], step: int) -> Writer:
+    """``model.safetensors``: the weights, with the step they were saved at in the metadata."""
+    return lambda path: save_file(weights, path, metadata={"step": str(step)})
+
+
+def _read_config(run: RunDir) -> dict:
+    """The contents of ``config.json``: ``model`` and ``train`` dicts, ``adaspan_version``;
+    the options added since adaspan 0.1 get the value that version had."""
+    path = _require_file(run, run.config_file)
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -178,12 +286,6 @@ def read_config(run_dir: str | Path) -> dict:
     config["model"].setdefault("position_table", "layer")  # adaspan 0.1: one table per layer
     config["train"].setdefault("clip_mode", "global")  # ... and the global gradient norm clipped
     return config
-
-
-def load_run_config(run_dir: str | Path) -> tuple[ModelConfig, TrainConfig]:
-    """The model and train configurations saved in ``run_dir``."""
-    saved = read_config(run_dir)
-    return ModelConfig.from_dict(saved["model"]), TrainConfig.from_dict(saved["train"])
 
 
 def stored_form(config: TrainConfig) -> TrainConfig:
@@ -199,32 +301,22 @@ def new_run_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def prepare_run_dir(
-    run_dir: Path, model_config: ModelConfig, config: TrainConfig, resume: bool
-) -> None:
-    """Refuse to overwrite a run, to resume one that is missing or was set up differently
-    (another model, or another value of an option that must stay fixed on resume), or a run
-    directory where no file can be written."""
-    if not resume:
-        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-            raise RunDirError(f"run directory {run_dir} already exists and is not empty: pass "
-                              "--resume to continue that run, or choose another directory")
-        _check_writable(run_dir)
-        return
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise RunDirError(f"nothing to resume in {run_dir}: it is not a run directory (no "
+def _check_settings(run: RunDir, model_config: ModelConfig, config: TrainConfig) -> None:
+    """Refuse to resume a run that is missing or was set up differently: another model, or
+    another value of an option that must stay fixed on resume."""
+    if not run.config_file.is_file():
+        raise RunDirError(f"nothing to resume in {run}: it is not a run directory (no "
                           f"{CONFIG_FILE})")
-    saved = read_config(run_dir)
-    changed = [f"model.{name}={value!r} (saved: {saved['model'].get(name)!r})"
-               for name, value in model_config.to_dict().items()
-               if saved["model"].get(name) != value]
-    changed += [f"train.{name}={getattr(config, name)!r} (saved: {saved['train'].get(name)!r})"
+    saved_model, saved_train = run.load_config()
+    saved = saved_model.to_dict()
+    changed = [f"model.{name}={value!r} (saved: {saved[name]!r})"
+               for name, value in model_config.to_dict().items() if saved[name] != value]
+    changed += [f"train.{name}={getattr(config, name)!r} "
+                f"(saved: {getattr(saved_train, name)!r})"
                 for name in TrainConfig.fixed_on_resume()
-                if not _same_option(name, saved["train"].get(name), getattr(config, name))]
+                if not _same_option(name, getattr(saved_train, name), getattr(config, name))]
     if changed:
-        raise RunDirError(f"cannot resume {run_dir} with different settings: "
-                          f"{'; '.join(changed)}")
-    _check_writable(run_dir)
+        raise RunDirError(f"cannot resume {run} with different settings: {'; '.join(changed)}")
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -255,73 +347,33 @@ def _same_option(name: str, saved: object, value: object) -> bool:
     return saved == value
 
 
-def has_checkpoint(run_dir: str | Path) -> bool:
-    """Whether ``run_dir`` holds weights and training state to resume from."""
-    run_dir = Path(run_dir)
-    return (run_dir / WEIGHTS_FILE).is_file() and _state_path(run_dir) is not None
-
-
-def _state_path(run_dir: Path) -> Path | None:
-    for name in (STATE_FILE, LEGACY_STATE_FILE):
-        if (run_dir / name).is_file():
-            return run_dir / name
-    return None
-
-
-def saved_step(run_dir: str | Path) -> int | None:
-    """The step of the checkpoint of ``run_dir``, read without loading its tensors; None if
-    it has no checkpoint to resume from."""
-    run_dir = Path(run_dir)
-    if not has_checkpoint(run_dir):
-        return None
-    path = _state_path(run_dir)
-    with _refused_if_unreadable(path):
-        if path.name == LEGACY_STATE_FILE:
-            return int(load_pickled_tensors(path)["step"])
-        with safe_open(path, framework="pt") as stored:
-            tree = json.loads((stored.metadata() or {})["state"])
-        return int(dict(tree["dict"])["step"])  # the top level of _save_state's tree
-
-
-def save_checkpoint(
-    run_dir: str | Path,
-    model: SpanLM,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    step: int,
-    position: int,
-    cache: StreamCache,
-    train_config: TrainConfig,
-    *,
-    elapsed: float = 0.0,
-    dist: Distributed | None = None,
-) -> None:
-    """Write config, weights and training state of ``run_dir`` atomically.
+def _save_checkpoint(run: RunDir, model: SpanLM, optimizer: torch.optim.Optimizer,
+                     scheduler: torch.optim.lr_scheduler.LRScheduler, state: TrainingState,
+                     train_config: TrainConfig, dist: Distributed) -> None:
+    """Write config, weights and training ``state`` of ``run`` atomically.
 
     The training state holds the weights too, and is renamed into place last: a run killed at
     any moment resumes from one consistent checkpoint, the previous or the new one.
 
-    With ``dist``, every rank calls it with the ``cache`` of its own streams: each rank > 0
-    writes that and its RNG state to its part of the state, then rank 0 the rest (with its
-    own cache and RNG state), counting the parts; the parts of earlier steps are removed.
+    Every rank of ``dist`` calls it with the cache of its own streams: each rank > 0 writes
+    that and its RNG state to its part of the state, then rank 0 the rest (with its own cache
+    and RNG state), counting the parts; the parts of earlier steps are removed.
     """
-    run_dir = Path(run_dir)
-    dist = dist if dist is not None else Distributed()
+    step, cache = state.step, state.cache.to("cpu").layers
     if not dist.is_main:
-        part = {"step": step, "rank": dist.rank, "cache": cache.to("cpu").layers,
-                "rng": rng_state()}
-        atomic_write({_part_path(run_dir, step, dist.rank): lambda path: _save_state(part, path)})
+        part = {"step": step, "rank": dist.rank, "cache": cache, "rng": rng_state()}
+        atomic_write({run.part_file(step, dist.rank): lambda path: _save_state(part, path)})
     dist.barrier()  # every part is in place before the state that counts them
     if not dist.is_main:
         return
     # safetensors wants contiguous tensors that share no memory: clone them to the CPU.
     weights = {name: t.detach().to("cpu", copy=True).contiguous()
                for name, t in model.state_dict().items()}
-    state = {
+    saved = {
         "step": step,
-        "position": position,
-        "elapsed": elapsed,
-        "cache": cache.to("cpu").layers,
+        "position": state.position,
+        "elapsed": state.elapsed,
+        "cache": cache,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "rng": [rng_state()],
@@ -329,45 +381,26 @@ def save_checkpoint(
         "model": weights,
     }
     atomic_write({  # the state, which alone is read to resume, is renamed into place last
-        run_dir / CONFIG_FILE: _json_writer(_config_payload(model.config, train_config)),
-        run_dir / WEIGHTS_FILE: lambda path: save_file(weights, path, metadata={"step": str(step)}),
-        run_dir / STATE_FILE: lambda path: _save_state(state, path),
+        run.config_file: _config_writer(model.config, train_config),
+        run.weights_file: _weights_writer(weights, step),
+        run.state_file: lambda path: _save_state(saved, path),
     })
-    (run_dir / LEGACY_STATE_FILE).unlink(missing_ok=True)  # superseded (a resumed 0.2 run)
-    _remove_parts(run_dir, keep=lambda part_step: part_step >= step)  # superseded
+    (run.path / LEGACY_STATE_FILE).unlink(missing_ok=True)  # superseded (a resumed 0.2 run)
+    _remove_parts(run, keep=lambda part_step: part_step >= step)  # superseded
 
 
-def archive_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
-    """Link the latest checkpoint's weights and state into ``checkpoints/step-N`` and delete
-    all but the ``keep_last`` newest there; return the new folder."""
-    archive = run_dir / ARCHIVE_DIR
-    folder = archive / f"step-{step:09d}"
-    folder.mkdir(parents=True, exist_ok=True)
-    parts = [path.name for path, part_step in _parts(run_dir).items() if part_step == step]
-    for name in (CONFIG_FILE, WEIGHTS_FILE, STATE_FILE, *parts):
-        target = folder / name
-        target.unlink(missing_ok=True)
-        os.link(run_dir / name, target)  # the run's files are replaced, never rewritten
-    for old in sorted(archive.glob("step-*"))[:-keep_last]:
-        shutil.rmtree(old)
-    return folder
-
-
-def load_model(run_dir: str | Path, device: str | torch.device = "cpu") -> SpanLM:
+def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> SpanLM:
     """The model saved in ``run_dir`` (its config and latest weights), in eval mode."""
-    run_dir = Path(run_dir)
-    try:
-        config = ModelConfig.from_dict(read_config(run_dir)["model"])
-    except ConfigError as exc:
-        raise RunDirError(f"{run_dir / CONFIG_FILE}: {exc}") from exc
-    model = SpanLM(config)
-    load_weights(run_dir, model)
+    run = RunDir(run_dir)
+    model = SpanLM(run.load_config()[0])
+    load_weights(run, model)
     return model.to(device).eval()
 
 
-def load_weights(run_dir: str | Path, model: SpanLM) -> int:
+def load_weights(run_dir: str | os.PathLike, model: SpanLM) -> int:
     """Load the weights of ``run_dir`` into ``model``; return the step they were saved at."""
-    path = _require_file(Path(run_dir), WEIGHTS_FILE)
+    run = RunDir(run_dir)
+    path = _require_file(run, run.weights_file)
     try:
         with safe_open(path, framework="pt") as weights:
             step = int((weights.metadata() or {}).get("step", -1))
@@ -386,7 +419,7 @@ def _load_state_dict(model: SpanLM, tensors: dict, path: Path) -> None:
 
 
 def load_training_state(
-    run_dir: str | Path,
+    run_dir: str | os.PathLike,
     model: SpanLM,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -402,25 +435,25 @@ def load_training_state(
     CPU). A run saved by as many processes reads only its own part; one saved by another
     number of processes reads the parts that hold its streams' cache rows.
     """
-    run_dir = Path(run_dir)
+    run = RunDir(run_dir)
     dist = dist if dist is not None else Distributed()
-    path = _state_path(run_dir) or _require_file(run_dir, STATE_FILE)
+    path = run.state_path() or _require_file(run, run.state_file)
     state = read_state(path)
     if "model" in state:
         _load_state_dict(model, state["model"], path)
-    elif (weights_step := load_weights(run_dir, model)) != state["step"]:  # a 0.1-0.2 run
+    elif (weights_step := load_weights(run, model)) != state["step"]:  # a 0.1-0.2 run
         raise RunDirError(
-            f"{run_dir} is inconsistent: weights are from step {weights_step}, training state "
+            f"{run} is inconsistent: weights are from step {weights_step}, training state "
             f"from step {state['step']} (a save was cut short); restore a backup or start over"
         )
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    cache, rng = _rank_part(run_dir, state, dist)
+    cache, rng = _rank_part(run, state, dist)
     set_rng_state(rng)
     return TrainingState(state["step"], state["position"], cache.to(device), state["elapsed"])
 
 
-def _rank_part(run_dir: Path, state: dict, dist: Distributed) -> tuple[StreamCache, dict]:
+def _rank_part(run: RunDir, state: dict, dist: Distributed) -> tuple[StreamCache, dict]:
     """The carried cache of the streams of ``dist``'s rank and its RNG state (saved rank 0's
     RNG state where no rank of its number was saved), read from the state's parts.
 
@@ -431,7 +464,7 @@ def _rank_part(run_dir: Path, state: dict, dist: Distributed) -> tuple[StreamCac
 
     def part(rank: int) -> dict:
         if rank not in saved:
-            saved[rank] = _read_part(run_dir, state["step"], rank)
+            saved[rank] = _read_part(run, state["step"], rank)
         return saved[rank]
 
     share = state["cache"][0].shape[0]  # streams of each part
@@ -445,10 +478,10 @@ def _rank_part(run_dir: Path, state: dict, dist: Distributed) -> tuple[StreamCac
     return cache, rngs[dist.rank] if dist.rank < len(rngs) else rngs[0]
 
 
-def _read_part(run_dir: Path, step: int, rank: int) -> dict:
-    path = _part_path(run_dir, step, rank)
+def _read_part(run: RunDir, step: int, rank: int) -> dict:
+    path = run.part_file(step, rank)
     if not path.is_file():
-        raise RunDirError(f"{run_dir} has no {path.name}, the part of the training state that "
+        raise RunDirError(f"{run} has no {path.name}, the part of the training state that "
                           f"rank {rank} wrote (on its own machine, if it ran on another one): "
                           "copy it here, or start the run over")
     return read_state(path)
@@ -462,16 +495,18 @@ def _save_state(state: dict, path: Path) -> None:
               metadata={"state": json.dumps(tree)})
 
 
-def read_state(path: Path, device: str | torch.device = "cpu") -> dict:
+def read_state(path: Path, device: str | torch.device = "cpu", *, tensors: bool = True) -> dict:
     """What :func:`_save_state` wrote (or an adaspan 0.1-0.2 ``state.pt``, without pickle's
-    code execution); a file that is not one is refused as such."""
+    code execution); a file that is not one is refused as such. Without ``tensors``, every
+    tensor is None and only the metadata of a safetensors state is read (its ``step``...)."""
     with _refused_if_unreadable(path):
         if path.name == LEGACY_STATE_FILE:
             return load_pickled_tensors(path, device)
         with safe_open(path, framework="pt", device=str(device)) as stored:
-            tensors = {key: stored.get_tensor(key) for key in stored.keys()}  # noqa: SIM118
+            loaded = ({key: stored.get_tensor(key) for key in stored.keys()}  # noqa: SIM118
+                      if tensors else defaultdict(type(None)))
             tree = json.loads((stored.metadata() or {})["state"])
-        return _from_tree(tree, tensors)
+        return _from_tree(tree, loaded)
 
 
 @contextmanager
@@ -483,24 +518,6 @@ def _refused_if_unreadable(path: Path) -> Iterator[None]:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise RunDirError(f"cannot read {path}: {reason}; it is refused as it is: restore "
                           "it from a backup or start the run over") from None
-
-
-def load_pickled_tensors(path: Path, device: str | torch.device = "cpu") -> object:
-    """A PyTorch file (pickle) read with ``torch.load(weights_only=True)``: tensors and plain
-    containers only, so that it cannot run code. Any other file is refused with
-    :class:`CheckpointFileError`, whose message never suggests lifting the restriction."""
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "GLOBAL" in str(exc):  # torch refused to import something: code, or objects
-            raise CheckpointFileError(f"{path} holds objects other than tensors and plain "
-                                      "values; adaspan does not load it, as that could run "
-                                      "code") from None
-        raise CheckpointFileError(f"{path} is not a PyTorch file (it cannot be "
-                                  "unpickled)") from None
-    except (RuntimeError, EOFError, AttributeError, ImportError) as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointFileError(f"{path} is not a PyTorch file: {first_line}") from None
 
 
 def _to_tree(value: object, tensors: dict[str, torch.Tensor]) -> object:
@@ -557,11 +574,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def _require_file(run_dir: Path, name: str) -> Path:
-    path = run_dir / name
-    if not run_dir.is_dir():
-        raise RunDirError(f"run directory {run_dir} does not exist")
+def _require_file(run: RunDir, path: Path) -> Path:
+    if not run.path.is_dir():
+        raise RunDirError(f"run directory {run} does not exist")
     if not path.is_file():
-        raise RunDirError(f"{run_dir} has no {name}: it is not a training run directory, "
+        raise RunDirError(f"{run} has no {path.name}: it is not a training run directory, "
                           "or its first checkpoint was never saved")
     return path

@@ -174,9 +174,9 @@ def _train(args: argparse.Namespace) -> int:
 
     Options apply in order: defaults (the paper's small model) < --preset < --config FILE <
     the options below < KEY=VALUE overrides."""
-    from .checkpoint import load_run_config, new_run_dir
-    from .presets import resolve_config
-    from .train import RunComplete, train
+    from .checkpoint import RunComplete, RunDir, new_run_dir
+    from .resolve import resolve_config
+    from .train import train
 
     overrides = _config_overrides(args)
     if args.resume:
@@ -184,18 +184,15 @@ def _train(args: argparse.Namespace) -> int:
             raise CLIError("--resume continues a run with its saved configuration: "
                            "drop --preset/--config (KEY=VALUE overrides such as steps=... work)")
         model_config, train_config = resolve_config(
-            base=load_run_config(args.resume), overrides=overrides)
+            base=RunDir(args.resume).load_config(), overrides=overrides)
         run_dir = args.resume
     else:
         model_config, train_config = resolve_config(args.preset, args.config, overrides)
         run_dir = args.run_dir or new_run_dir(args.preset or "run")
-    try:
-        summary = train(model_config, train_config, run_dir, resume=bool(args.resume),
-                        progress=not args.no_progress)
-    except RunComplete as complete:  # a finished run, left as it is: nothing to do
-        line = str(complete)
-    else:
-        line = json.dumps(_rounded(summary))
+    result = train(model_config, train_config, run_dir, resume=bool(args.resume),
+                   progress=not args.no_progress)
+    complete = isinstance(result, RunComplete)  # a finished run, left as it is: nothing to do
+    line = str(result) if complete else json.dumps(_rounded(result))
     if _is_main_process():  # under torchrun: one line, not one per process
         print(line)
     return 0
@@ -237,7 +234,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     block size, the cache carried, and how many characters were scored with less context than
     the longest span (the first ones of each stream; a batch size of 1 scores the split as one
     stream)."""
-    from .checkpoint import load_model, read_config
+    from .checkpoint import RunDir, load_model
     from .data import source_distance
     from .evaluate import bpc_by_distance, evaluate, short_context
     from .official import run_split
@@ -246,7 +243,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     _use_threads(args)
     tokens, name, unit = run_split(args.run_dir, args.split, args.data, args.data_dir,
                                    progress=not args.no_progress)
-    block_size = args.block_size or read_config(args.run_dir)["train"]["block_size"]
+    block_size = args.block_size or RunDir(args.run_dir).load_config()[1].block_size
     model = load_model(args.run_dir, _device(args.device))
     synthetic = is_synthetic(name)
     result = evaluate(model, tokens, batch_size=args.batch_size, block_size=block_size,
@@ -419,16 +416,15 @@ def _inspect(args: argparse.Namespace) -> int:
         head_span_history,
         plot_curves,
         plot_spans,
-        read_metrics,
         span_summary,
         span_table,
     )
-    from .checkpoint import load_model
+    from .checkpoint import RunDir, load_model
+    from .metrics import read_metrics
 
     model = load_model(args.run_dir)
     spans = model.spans()
-    metrics_file = args.run_dir / "metrics.jsonl"
-    events = read_metrics(metrics_file) if metrics_file.exists() else []
+    events = read_metrics(RunDir(args.run_dir).metrics_file)
     trajectories = _trajectories(head_span_history(events))
     if args.json:
         print(json.dumps(_rounded({"spans": spans, **span_summary(spans),
@@ -562,7 +558,7 @@ def _bench(args: argparse.Namespace) -> int:
     One warm-up step, then --steps timed steps with the cache carried; the median (or mean)
     of their times."""
     from .bench import MEMORY_FIELDS, bench
-    from .presets import resolve_config
+    from .resolve import resolve_config
 
     _use_threads(args)
     model_config, train_config = resolve_config(args.preset, args.config, args.overrides)
@@ -610,7 +606,8 @@ def _add_presets(commands) -> None:
 def _presets(args: argparse.Namespace) -> int:
     """List the named configurations."""
     from .model import parameter_count
-    from .presets import PRESETS, resolve_config
+    from .presets import PRESETS
+    from .resolve import resolve_config
 
     if args.name:
         if args.name not in PRESETS:
@@ -693,7 +690,7 @@ def _compare(args: argparse.Namespace) -> int:
     (OUT/compare_max_spans.png). Re-running with the same --out reuses the finished runs."""
     from .checkpoint import new_run_dir
     from .compare import MARKDOWN_FILE, compare
-    from .presets import resolve_config
+    from .resolve import resolve_config
 
     budget = []
     if args.minutes is not None:  # the time budget decides; steps only cap it

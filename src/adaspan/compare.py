@@ -34,12 +34,13 @@ from .analysis import (
     span_limit_figure,
     span_summary,
 )
-from .checkpoint import RunDirError, atomic_write, load_model, load_run_config, stored_form
+from .checkpoint import RunDir, RunDirError, load_model, stored_form
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import Corpus, load_corpus
 from .distributed import resolve_device
 from .errors import UserError
 from .evaluate import evaluate
+from .files import atomic_write
 from .memory import training_estimate
 from .model import SpanLM
 from .page import Column, compare_page
@@ -221,7 +222,7 @@ def _finished(run_dir: Path, model_config: ModelConfig, train_config: TrainConfi
     they change the speed, not what the run learns)."""
     if not (run_dir / SUMMARY_FILE).is_file():
         return False
-    saved_model, saved_train = load_run_config(run_dir)
+    saved_model, saved_train = RunDir(run_dir).load_config()
     return saved_model == model_config and (replace(saved_train, threads=None)
                                             == replace(stored_form(train_config), threads=None))
 

@@ -13,37 +13,16 @@ from collections.abc import Callable, Collection
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-import torch
-
 from .distributed import DEVICE
 from .errors import UserError
 from .precision import DTYPES
-from .registry import ATTENTIONS
+from .registry import ATTENTIONS, VariantNames
 
 TRUNCATIONS = ("head", "layer", "none")
 SPAN_PER = ("head", "layer")
 POSITION_TABLES = ("model", "layer")
 OPTIMIZERS = ("adagrad", "adamw")
 CLIP_MODES = ("per-tensor-lr", "global")
-
-
-class SpanAttentions(Collection):
-    """Names of the registered span attentions, those :mod:`adaspan.attention` defines (fixed,
-    adaptive, dynamic): the spans ``attention=persistent`` can use. Read from the registry
-    when asked."""
-
-    def _names(self) -> list[str]:
-        return [name for name, build in ATTENTIONS.items()
-                if build.__module__ == f"{__package__}.attention"]
-
-    def __iter__(self):
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
 
 
 class ConfigError(UserError, ValueError):
@@ -117,7 +96,8 @@ class ModelConfig(Options):
     ``dynamic`` (span predicted per token), and the baselines of :mod:`adaspan.baselines`;
     ``persistent`` adds ``persistent_size`` learned keys and values per head to a
     ``persistent_span`` attention (:mod:`adaspan.persistent`; with ``feed_forward=false``, the
-    all-attention layer).
+    all-attention layer). What a variant declares where it registers (its span type, its own
+    checks of these options) is read from the registry: nothing is built to validate.
     ``truncation`` picks how computation follows the spans: ``head`` groups heads by span and
     each group reads only the keys it can see; ``layer`` uses the longest head of the layer for
     all heads; ``none`` always reads ``max_span`` keys (reference, slowest). ``span_per="layer"``
@@ -160,7 +140,8 @@ class ModelConfig(Options):
     persistent_size: int = option(1024, "persistent key/value vectors N per head of "
                                   "attention=persistent (all-attention)")
     persistent_span: str = option("adaptive", "span of the context keys of "
-                                  "attention=persistent", choices=SpanAttentions())
+                                  "attention=persistent",
+                                  choices=VariantNames(lambda variant: variant.span_of is not None))
     feed_forward: bool = option(True, "each layer has its ReLU feed-forward sublayer (true | "
                                 "false: the all-attention layer, with attention=persistent)")
 
@@ -178,27 +159,29 @@ class ModelConfig(Options):
         self._require("feed_forward", lambda v: isinstance(v, bool), "true or false")
         self._require("factorized_c", lambda v: _is_int(v) and 0 < v <= self.factorized_stride,
                       f"an integer in [1, factorized_stride={self.factorized_stride}]")
-        if self.attention == "factorized":  # both head types, and A(1) blocks inside the window
-            self._require("n_heads", lambda v: v >= 2, ">= 2 for factorized attention")
-            self._require("max_span", lambda v: v >= self.factorized_stride,
-                          f">= factorized_stride={self.factorized_stride} for factorized "
-                          "attention")
+        self._check_variant()
         self._check_span_can_adapt()
+
+    def _check_variant(self) -> None:
+        """The options the registered attention checks itself (``check`` of
+        :func:`~adaspan.registry.register_attention`); its ValueError is a ConfigError."""
+        check = ATTENTIONS[self.attention].check
+        try:
+            if check is not None:
+                check(self)
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"attention={self.attention}: {exc}") from None
 
     def _check_span_can_adapt(self) -> None:
         """Learned spans need room beyond the ramp: with S <= R every span ``min(S, z + R)``
         is S whatever z, so nothing would adapt."""
-        if self.max_span <= self.ramp and self._learns_spans():
+        if self.max_span <= self.ramp and ATTENTIONS[self.attention].span_type(self).learned:
             raise ConfigError(
                 f"max_span={self.max_span} must be larger than ramp={self.ramp} for "
                 f"attention={self.attention}: every span would be pinned at max_span and "
                 "nothing would adapt; raise max_span or lower ramp")
-
-    def _learns_spans(self) -> bool:
-        """Whether the registered attention's span is learned (built on the meta device: no
-        memory, no initialisation)."""
-        with torch.device("meta"):
-            return ATTENTIONS[self.attention](self).span.learned
 
     @property
     def d_head(self) -> int:

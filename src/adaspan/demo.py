@@ -13,7 +13,7 @@ from .checkpoint import load_model, new_run_dir
 from .data import load_corpus
 from .evaluate import evaluate
 from .generate import generate
-from .presets import resolve_config
+from .resolve import resolve_config
 from .train import train
 
 PROMPT = b"And God said"

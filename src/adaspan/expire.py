@@ -129,7 +129,7 @@ def live_memories(cache: Tensor) -> Tensor:
     return cache.ne(0).any(-1).sum(-1)
 
 
-@register_attention("expire")
+@register_attention("expire", span=ExpireSpan)
 class ExpireSpanAttention(SpanAttention):
     """Multi-head attention over the memories that have not expired (Expire-Span).
 

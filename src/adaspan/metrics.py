@@ -1,23 +1,26 @@
-"""Training metrics: one JSON record per line in ``metrics.jsonl``, and TensorBoard if present."""
+"""Training metrics: one JSON record per line of a file (a run's ``metrics.jsonl``), written
+and read back, and TensorBoard events if TensorBoard is installed. Where the files are is the
+run directory's to say (:class:`adaspan.checkpoint.RunDir`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .checkpoint import atomic_write
-
-METRICS_FILE = "metrics.jsonl"
+from .files import atomic_write
 
 
 class MetricsLog:
-    """Metrics records appended to ``metrics.jsonl`` and, if available, TensorBoard."""
+    """Metrics records appended to the file ``path`` and, with ``tensorboard_dir`` and if
+    TensorBoard is installed, written there as events; a run resumed at ``start_step`` first
+    drops the records logged after it."""
 
-    def __init__(self, run_dir: Path, start_step: int, tensorboard: bool) -> None:
-        self.path = run_dir / METRICS_FILE
+    def __init__(self, path: Path, start_step: int, tensorboard_dir: Path | None) -> None:
+        self.path = path
         if start_step and self.path.exists():
             _drop_records_after(self.path, start_step)
-        self.writer = _summary_writer(run_dir / "tb", start_step) if tensorboard else None
+        self.writer = (_summary_writer(tensorboard_dir, start_step)
+                       if tensorboard_dir is not None else None)
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as out:
@@ -43,6 +46,21 @@ def _scalars(record: dict) -> list[tuple[str, float]]:
         elif name != "step" and isinstance(value, int | float):
             scalars.append((name, value))
     return scalars
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of the file ``path`` (none if it does not exist; unparseable lines, such as
+    one cut short by a crash, are skipped)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
 
 
 def _drop_records_after(path: Path, step: int) -> None:

@@ -9,8 +9,8 @@ adaspan run directory whose model gives the same log-probabilities on the same t
 Their data format: a directory with ``train.txt``, ``valid.txt`` and ``test.txt``; each line is
 split on whitespace and ends with the symbol ``<eos>``; the vocabulary lists the symbols in order
 of first appearance over train, valid, then test. A converted run stores that list in
-``vocab.json`` (:data:`VOCAB_FILE`). :func:`run_split` and :func:`run_codec` give the tokens of
-any run, converted or not, so that evaluating and sampling need not know which it is.
+``vocab.json`` (``RunDir.vocab_file``). :func:`run_split` and :func:`run_codec` give the tokens
+of any run, converted or not, so that evaluating and sampling need not know which it is.
 """
 
 from __future__ import annotations
@@ -25,23 +25,15 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
-from .checkpoint import (
-    WEIGHTS_FILE,
-    RunDirError,
-    atomic_write,
-    load_pickled_tensors,
-    read_config,
-    save_config,
-)
+from .checkpoint import RunDir, RunDirError
 from .config import ModelConfig, TrainConfig
 from .data import load_corpus
 from .errors import UserError
+from .files import load_pickled_tensors
 from .model import SpanLM
 
-VOCAB_FILE = "vocab.json"
 EOS = "<eos>"
 SPLIT_FILES = {"train": "train.txt", "valid": "valid.txt", "test": "test.txt"}
 DEFAULT_RAMP = 32  # the authors' --adapt-span-ramp default
@@ -271,7 +263,7 @@ def encode_split(data_dir: str | Path, split: str, vocab: list[str]) -> np.ndarr
 
 def read_vocab(run_dir: str | Path) -> list[str] | None:
     """The symbols of a converted run (``vocab.json``), or None for an ordinary adaspan run."""
-    path = Path(run_dir) / VOCAB_FILE
+    path = RunDir(run_dir).vocab_file
     if not path.is_file():
         return None
     try:
@@ -332,13 +324,12 @@ def run_split(
     """Split ``split`` of the corpus of ``run_dir``, or of ``data``, as the run's tokens: the
     bytes of an adaspan corpus (``data_dir``: where enwik8/text8 are cached; default, the
     run's), or for a converted run the symbol ids of a directory in the authors' format."""
-    saved = read_config(run_dir)["train"]
+    saved = RunDir(run_dir).load_config()[1]
     vocab = read_vocab(run_dir)
     if vocab is None:
-        corpus = load_corpus(data or saved["data"], data_dir or saved.get("data_dir"),
-                             progress=progress)
+        corpus = load_corpus(data or saved.data, data_dir or saved.data_dir, progress=progress)
         return RunSplit(corpus.split(split), corpus.name, "character")
-    folder = data or saved["data"]
+    folder = data or saved.data
     return RunSplit(encode_split(folder, split, vocab), f"{folder} (authors' format)", "symbol")
 
 
@@ -389,17 +380,11 @@ def convert(
         raise OfficialFormatError(
             f"{data_dir} has {len(vocab)} symbols, the checkpoint's model "
             f"{config.vocab_size}: wrong data directory")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise RunDirError(f"{out_dir} exists and is not an empty directory: refusing to "
-                          "overwrite it")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(out_dir, config, TrainConfig(data=str(data_dir), block_size=BLOCK_SIZE,
-                                             tensorboard=False))
-    atomic_write({
-        out_dir / WEIGHTS_FILE: lambda p: save_file(weights, p, metadata={"step": str(step)}),
-        out_dir / VOCAB_FILE: lambda p: p.write_text(json.dumps(vocab) + "\n", encoding="utf8"),
-    })
+    run = RunDir(out_dir)
+    run.require_new("refusing to overwrite it")
+    run.create(config, TrainConfig(data=str(data_dir), block_size=BLOCK_SIZE, tensorboard=False),
+               weights, step, {run.vocab_file: lambda p: p.write_text(json.dumps(vocab) + "\n",
+                                                                      encoding="utf8")})
     return config
 
 

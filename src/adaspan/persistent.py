@@ -80,8 +80,13 @@ class PersistentAttention(SpanAttention):
         return weights.to(values.dtype) @ values, torch.logsumexp(u, dim=-1)
 
 
-@register_attention("persistent")
+def _span_type(config: ModelConfig) -> type[Span]:
+    """The span type of the span attention ``persistent_span``."""
+    return ATTENTIONS[config.persistent_span].span_type(config)
+
+
+@register_attention("persistent", span=_span_type)
 def persistent_attention(config: ModelConfig) -> PersistentAttention:
     """Span attention with persistent memory; the span is that of the registered span
     attention ``persistent_span`` (fixed, adaptive or dynamic, built with the same options)."""
-    return PersistentAttention(config, ATTENTIONS[config.persistent_span](config).span)
+    return PersistentAttention(config, ATTENTIONS[config.persistent_span].span_of(config))

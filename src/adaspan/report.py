@@ -16,8 +16,10 @@ import torch
 
 from . import analysis
 from .attention import adaptive_span_attention, fixed_span_attention
-from .config import ModelConfig
+from .checkpoint import RunDir, load_model
+from .config import ModelConfig, TrainConfig
 from .memory import step_peak_memory
+from .metrics import read_metrics
 from .model import SpanLM
 from .official import run_codec
 from .page import report_page
@@ -117,14 +119,14 @@ def dynamic_spans(model: SpanLM, tokens: Sequence[int]) -> list[list[float]]:
     return [layer.attn.span.last_spans()[0].mean(dim=0).tolist() for layer in model.layers]
 
 
-def default_text(saved: dict) -> str:
+def default_text(train_config: TrainConfig) -> str:
     """About ``TEXT_CHARS`` characters of the run corpus's valid split, from its first capital
     letter that starts a line or a sentence to a word end; a fixed sentence if the corpus is not
     at hand (a benchmark not downloaded is not fetched)."""
     from .data import load_corpus
     from .download import BENCHMARKS, DataError, data_dir
 
-    spec, folder = saved["train"]["data"], saved["train"].get("data_dir")
+    spec, folder = train_config.data, train_config.data_dir
     if spec in BENCHMARKS and not (data_dir(folder) / spec / BENCHMARKS[spec].member).exists():
         return DEFAULT_TEXT
     try:
@@ -148,16 +150,15 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, text: s
                  device: str | torch.device = "cpu") -> Path:
     """Write ``out_dir/report.json`` (default ``run_dir/report``), the numbers of the report,
     and ``out_dir/report.html``, the page drawn from them; return the page's path."""
-    from .checkpoint import load_model, read_config
-
     analysis.require_plots()
-    run_dir = Path(run_dir)
-    out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
-    saved = read_config(run_dir)
-    model = load_model(run_dir, device)
+    run = RunDir(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run.report_dir
+    model_config, train_config = run.load_config()
+    model = load_model(run, device)
     probe = torch.device(device) if memory else None
-    data = report_data(model, saved, run_dir, text, limits, probe)
-    html = report_page(data, saved, run_events(run_dir), model.config)
+    data = report_data(model, train_config, run.path, text, limits, probe)
+    saved = {"model": model_config.to_dict(), "train": train_config.to_dict()}
+    html = report_page(data, saved, run_events(run.path), model.config)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / DATA_FILE).write_text(json.dumps(data, indent=1) + "\n")
     page = out_dir / REPORT_FILE
@@ -165,7 +166,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, text: s
     return page
 
 
-def report_data(model: SpanLM, saved: dict, run_dir: Path, text: str | None,
+def report_data(model: SpanLM, train_config: TrainConfig, run_dir: Path, text: str | None,
                 limits: Sequence[int], probe: torch.device | None) -> dict:
     """The numbers of the report: attention, parameters, whether spans are learned, each
     head's span at every metrics record (``head_spans``,
@@ -176,18 +177,17 @@ def report_data(model: SpanLM, saved: dict, run_dir: Path, text: str | None,
     data: dict = {"run_dir": str(run_dir), "attention": cfg.attention,
                   "parameters": model.num_parameters(), "learned_spans": span_type.learned}
     if span_type.input_dependent:
-        text = text if text is not None else default_text(saved)
+        text = text if text is not None else default_text(train_config)
         tokens = run_codec(run_dir).encode(text.encode())  # bytes, or a converted run's ids
         data["dynamic"] = {"text": text, "spans": dynamic_spans(model, list(tokens)),
                            "meaning": span_type.token_span}
     data["head_spans"] = analysis.head_span_history(run_events(run_dir))
     data["spans"] = model.spans()
     learned = data["spans"] if span_type.learned else None
-    data["costs"] = cost_curves(cfg, learned, limits, saved["train"]["block_size"], probe)
+    data["costs"] = cost_curves(cfg, learned, limits, train_config.block_size, probe)
     return data
 
 
 def run_events(run_dir: Path) -> list[dict]:
     """The metrics records of the run in ``run_dir`` (none without ``metrics.jsonl``)."""
-    metrics = run_dir / "metrics.jsonl"
-    return analysis.read_metrics(metrics) if metrics.exists() else []
+    return read_metrics(RunDir(run_dir).metrics_file)

@@ -33,26 +33,13 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from .cache import StreamCache
-from .checkpoint import (
-    RunDirError,
-    TrainingState,
-    archive_checkpoint,
-    has_checkpoint,
-    load_training_state,
-    prepare_run_dir,
-    remove_temporaries,
-    save_checkpoint,
-    save_config,
-    saved_step,
-    stored_form,
-)
+from .checkpoint import RunComplete, RunDir, TrainingState, stored_form
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import BlockStream, Corpus, load_corpus
 from .distributed import Distributed, resolve_device, use_threads
 from .errors import UserError
 from .evaluate import evaluate
 from .memory import OutOfMemory, check_training_memory, fit_batch_split, memory_available, size
-from .metrics import MetricsLog
 from .model import SpanLM
 from .optim import build_optimizer, build_scheduler, lr_factor, step_with_tensor_clip
 from .precision import choose
@@ -113,14 +100,14 @@ def train(
     resume: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = tqdm.write,
-) -> dict:
+) -> dict | RunComplete:
     """Train a model in ``run_dir`` (or continue the run there when ``resume``).
 
     Writes checkpoints every ``checkpoint_interval`` steps and when training ends, runs out of
     ``time_budget``, or is interrupted by SIGINT (Ctrl-C) or SIGTERM (the step under way is
     finished and saved, then :class:`Interrupted` is raised; a second signal aborts at once).
     A run directory whose run stopped before its first checkpoint resumes from step 0; one
-    already at ``steps`` raises :class:`RunComplete` and is left as it is.
+    already at ``steps`` is left as it is and :class:`RunComplete` returned (not raised).
     Temporary files of an interrupted save are removed. ``log`` receives one line per
     logged step (default: printed above the progress bar) and, once each, the warnings of
     :func:`span_warnings` seen at logged steps after the warm-up. Returns a summary: ``steps``,
@@ -134,22 +121,15 @@ def train(
     use_threads(train_config.threads)
     owns_group = dist.start(device)
     try:
-        return _Loop(build_run(model_config, train_config, Path(run_dir), resume, device, dist,
-                               progress and dist.is_main), log if dist.is_main else _silent).run()
+        run = build_run(model_config, train_config, RunDir(run_dir), resume, device, dist,
+                        progress and dist.is_main)
+        if isinstance(run, RunComplete):
+            return run
+        return _Loop(run, log if dist.is_main else _silent).run()
     finally:
         if owns_group:  # DistributedDataParallel (in reference cycles) goes before its group
             gc.collect()
             torch_dist.destroy_process_group()
-
-
-class RunComplete(RunDirError):
-    """A run resumed at the step it was asked to reach: nothing to train. Its message is the
-    run's state and the ``steps`` to pass to continue it (twice its step)."""
-
-    def __init__(self, run_dir: Path, step: int) -> None:
-        super().__init__(f"{run_dir} is complete at step {step}; pass steps={2 * step} to "
-                         "continue")
-        self.run_dir, self.step = run_dir, step
 
 
 class Diverged(UserError, FloatingPointError):
@@ -173,7 +153,7 @@ class Run:
     """What a training call works with: its data, model, optimiser and where it stands."""
 
     config: TrainConfig
-    run_dir: Path
+    run_dir: RunDir
     device: torch.device
     dist: Distributed
     progress: bool
@@ -196,25 +176,23 @@ class Run:
 def build_run(
     model_config: ModelConfig,
     config: TrainConfig,
-    run_dir: Path,
+    run_dir: RunDir,
     resume: bool,
     device: torch.device,
     dist: Distributed,
     progress: bool,
-) -> Run:
-    """Check the run directory, seed, load the corpus, build model and optimiser, and restore
-    the checkpoint (``resume``) or write the new run's configuration."""
+) -> Run | RunComplete:
+    """Open the run directory (:meth:`RunDir.open`: a run already complete is returned as it
+    is), seed, load the corpus, build model and optimiser, and restore the checkpoint
+    (``resume``) or write the new run's configuration."""
     if config.batch_size % (dist.world_size * config.batch_split):
         raise ConfigError(
             f"batch_size={config.batch_size} must be divisible by "
             f"{dist.world_size} processes x batch_split={config.batch_split}"
         )
-    prepare_run_dir(run_dir, model_config, config, resume)
-    if resume:
-        _check_steps_left(run_dir, config.steps)
-    dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
-    if dist.is_main and run_dir.is_dir():
-        remove_temporaries(run_dir)
+    complete = run_dir.open(model_config, config, resume, dist)
+    if complete is not None:
+        return complete
     _seed_everything(config.seed + dist.rank)
     corpus = _load_corpus(config, dist, progress)
     available = memory_available(device, config, dist)
@@ -223,9 +201,9 @@ def build_run(
         model.compile_dense()
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
-    resuming = resume and has_checkpoint(run_dir)
+    state = run_dir.restore(model, optimizer, scheduler, device, dist) if resume else None
+    resuming = state is not None
     if resuming:
-        state = load_training_state(run_dir, model, optimizer, scheduler, device, dist)
         for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
             group["lr"] = base_lr * lr_factor(state.step, config)  # steps may have changed
     else:  # a new run, or one stopped before its first checkpoint
@@ -234,23 +212,9 @@ def build_run(
                                           available)  # before any write
     config = replace(config, batch_split=dist.largest([split])[0])
     if dist.is_main and not resuming:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(run_dir, model_config, config)
+        run_dir.create(model_config, config)
     return Run(config, run_dir, device, dist, progress, corpus, model, optimizer, scheduler,
                state, memory, available)
-
-
-def _check_steps_left(run_dir: Path, steps: int) -> None:
-    """Refuse to resume a run with no step left before ``steps`` (before anything else is
-    loaded, and nothing written): :class:`RunComplete` at exactly ``steps``, RunDirError past
-    them."""
-    step = saved_step(run_dir)
-    if step is None or step < steps:
-        return
-    if step == steps:
-        raise RunComplete(run_dir, step)
-    raise RunDirError(f"{run_dir} is at step {step:,}, steps={steps:,}: nothing to train; "
-                      "pass a larger steps=N to continue it")
 
 
 def _load_corpus(config: TrainConfig, dist: Distributed, progress: bool) -> Corpus:
@@ -300,7 +264,7 @@ class _Loop:
                                   self.config.block_size, drop_last=True)
         self.rows = self.dist.rows(self.config.batch_size)
         self.chars_per_step = self.config.batch_size * self.config.block_size
-        self.metrics = (MetricsLog(self.run_dir, self.state.step, self.config.tensorboard)
+        self.metrics = (self.run_dir.metrics_log(self.state.step, self.config.tensorboard)
                         if self.dist.is_main else None)
         self.window = _Window()  # the steps since the last record
         self.trained = (0, 0.0)  # steps and seconds of training of this call, at the last record
@@ -505,11 +469,10 @@ class _Loop:
 
     def _checkpoint(self) -> None:
         """Save: every rank its cache rows and RNG state, rank 0 then the rest."""
-        save_checkpoint(self.run_dir, self.model, self.setup.optimizer, self.setup.scheduler,
-                        self.state.step, self.state.position, self.state.cache, self.config,
-                        elapsed=self._elapsed(), dist=self.dist)
+        self.run_dir.save(self.model, self.setup.optimizer, self.setup.scheduler,
+                          replace(self.state, elapsed=self._elapsed()), self.config, self.dist)
         if self.dist.is_main and self.config.keep_last:
-            archive_checkpoint(self.run_dir, self.state.step, self.config.keep_last)
+            self.run_dir.archive(self.state.step, self.config.keep_last)
         self.saved_step = self.state.step
 
     def _describe(self) -> str:
