@@ -27,6 +27,7 @@ from adaspan.checkpoint import (
     read_state,
 )
 from adaspan.data import load_corpus
+from adaspan import distributed
 from adaspan.distributed import DeviceError, Distributed, resolve_device
 from adaspan.evaluate import evaluate
 from adaspan.optim import build_optimizer, build_scheduler
@@ -197,9 +198,13 @@ def test_the_process_group_is_bound_to_the_gpu_where_torch_can(monkeypatch, has_
 
     monkeypatch.setattr(torch_dist, "is_initialized", lambda: False)
     monkeypatch.setattr(torch_dist, "init_process_group", new_torch if has_device_id else old_torch)
+    monkeypatch.setattr(torch_dist, "get_backend", lambda group=None: calls[-1][0])
+    monkeypatch.setattr(torch_dist, "new_group", lambda backend: calls.append(("new", backend)))
+    monkeypatch.setattr(distributed, "_HOST_GROUP", [])
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(device))
     gpu = torch.device("cuda", 1)
-    assert Distributed(1, 2, 1).start(gpu)
-    assert Distributed(0, 2, 0).start(torch.device("cpu"))
+    assert Distributed(1, 2, 1).start(gpu)  # and a gloo group for host values, made at once
+    assert Distributed(0, 2, 0).start(torch.device("cpu"))  # gloo already: no second group
     assert not Distributed().start(torch.device("cpu"))  # one process: no group
-    assert calls == [gpu, ("nccl", gpu if has_device_id else None), ("gloo", None)]
+    assert calls == [gpu, ("nccl", gpu if has_device_id else None), ("new", "gloo"),
+                     ("gloo", None)]
