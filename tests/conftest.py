@@ -18,6 +18,8 @@ from adaspan.registry import ATTENTIONS, register_attention
 from adaspan.span import FixedSpan
 
 torch.set_num_threads(1)
+if not torch.cuda.is_available():  # the fused kernel runs in Triton's interpreter: chosen
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
 
 
 def pytest_report_header(config) -> str:

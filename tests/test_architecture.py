@@ -12,8 +12,8 @@ PACKAGE = Path(adaspan.__file__).parent
 
 # Layer of every module, lowest first (the table of docs/architecture.md).
 LAYERS = {
-    "_version": 0, "errors": 0, "span": 0, "presets": 0,
-    "registry": 1, "files": 1, "cache": 1, "download": 1, "distributed": 1,
+    "_version": 0, "errors": 0, "span": 0, "presets": 0, "_fused_kernels": 0,
+    "registry": 1, "fused": 1, "files": 1, "cache": 1, "download": 1, "distributed": 1,
     "analysis": 1, "precision": 1, "synthetic": 1,
     "config": 2, "data": 2, "band": 2, "metrics": 2,
     "attention": 3, "page": 3, "resolve": 3,

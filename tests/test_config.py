@@ -109,6 +109,7 @@ def test_spans_that_do_not_adapt_may_be_shorter_than_the_ramp(attention):
         ({"optimizer": "sgd"}, "optimizer"),
         ({"clip_mode": "norm"}, "clip_mode"),
         ({"dtype": "float16"}, "dtype"),
+        ({"kernel": "flash"}, "kernel"),
         ({"device": "gpu"}, "device"),
         ({"time_budget": 0}, "time_budget"),
         ({"lr_drop_steps": 2_000_000}, "lr_drop_steps"),

@@ -16,7 +16,7 @@ import torch.multiprocessing
 from helpers import TRAIN_MODEL, run_processes, run_quietly, tiny_train_config
 from safetensors.torch import load_file
 
-from adaspan import SpanLM
+from adaspan import SpanLM, distributed
 from adaspan.cache import StreamCache
 from adaspan.checkpoint import (
     ARCHIVE_DIR,
@@ -27,7 +27,6 @@ from adaspan.checkpoint import (
     read_state,
 )
 from adaspan.data import load_corpus
-from adaspan import distributed
 from adaspan.distributed import DeviceError, Distributed, resolve_device
 from adaspan.evaluate import evaluate
 from adaspan.optim import build_optimizer, build_scheduler

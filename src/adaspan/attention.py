@@ -9,20 +9,25 @@ For a query at position t and a key at r (distance d = t - r, 1 <= d <= S), head
 Eq. 2 is computed exactly as a softmax of ``s + log m_z(d)`` (m_z = 0 gives -inf: no weight,
 no gradient). Computation is truncated to what each head can see: heads are grouped by their key
 *window* ``ceil(z + R)`` (rounded up to ``span_bucket``), and each group projects and scores only
-the keys of its window (``truncation="head"``), with the band kernels of :mod:`adaspan.band`.
+the keys of its window (``truncation="head"``), with the band kernels of :mod:`adaspan.band`;
+or, on CUDA, every head in one kernel that reads each head's window as data
+(:mod:`adaspan.fused`: as many kernel launches however many windows a layer has).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import fused
 from .band import banded_attention
 from .cache import KeyValueCache, advance, fit_cache
 from .config import ModelConfig
+from .fused import KERNELS
 from .registry import register_attention
 from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, windows_of
 
@@ -70,7 +75,16 @@ class SpanAttention(Attention):
     (B, C, D) or, at inference, a :class:`KeyValueCache`, and returns the output and the new
     cache of the same kind: what this layer's heads can still see next block (for dynamic
     spans, which depend on the next tokens, the last S positions).
+
+    ``kernel`` picks how the heads are computed (:data:`KERNELS`; :func:`use_kernel` sets it
+    for a whole model): ``"grouped"``, by group of heads of equal window, each with the band
+    kernel of :mod:`adaspan.band` (the CPU's path); ``"fused"``, all heads in one Triton
+    kernel of :mod:`adaspan.fused` whatever their windows (CUDA's path; on the CPU, Triton's
+    interpreter runs it, for tests); ``"auto"`` (default): fused on CUDA where Triton is
+    installed, else grouped.
     """
+
+    kernel = "auto"
 
     def __init__(self, config: ModelConfig, span: Span) -> None:
         super().__init__()
@@ -126,23 +140,20 @@ class SpanAttention(Attention):
         bounds = self.span.z_bounds(z)  # on the host: no wait when the spans did not change
         layout = self._layout(tuple(self._key_windows(bounds)), x.device)
         history = self.max_span if self.span.input_dependent else layout.longest
-        if isinstance(cache, KeyValueCache):
-            keys_values, new_cache = self._cached_keys_values(x, cache, history)
-        else:
-            keys_values, new_cache = self._projected_keys_values(x, cache, history)
         q = self.q(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
-        outputs = []
-        for group in layout.groups:
-            k, v = keys_values(group, history - group.window)
-            zg, z_min = None, None
-            if z is not None:
-                zg, z_min = z[:, group.heads], min(bounds[0][h] for h in group.members)
-            outputs.append(self._attend(q[:, group.heads], k, v, pos[: group.window], zg,
-                                        z_min, group.heads))
-        out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-        if layout.order is not None:
-            out = out[:, layout.order]
-        return self.o(out.transpose(1, 2).reshape(B, M, -1)), new_cache
+        if self.uses_fused(x):
+            out, new_cache = _fused_heads(self, x, q, cache, pos, z, layout, history)
+        else:
+            out, new_cache = _grouped_heads(self, x, q, cache, pos, z, bounds, layout, history)
+        return self.o(out.reshape(B, M, -1)), new_cache
+
+    def uses_fused(self, x: Tensor) -> bool:
+        """Whether a forward pass on ``x`` takes the fused kernel (:mod:`adaspan.fused`):
+        ``kernel`` ``"fused"``, or ``"auto"`` on CUDA with Triton installed; never for a
+        subclass that joins keys to the softmax (its own :meth:`_attend`)."""
+        if type(self)._attend is not SpanAttention._attend or self.kernel == "grouped":
+            return False
+        return self.kernel == "fused" or (x.is_cuda and fused.available())
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None,
                 z_min: float | None, heads: slice | Tensor) -> Tensor:
@@ -177,8 +188,10 @@ class SpanAttention(Attention):
 
         return keys_values, advance(past, x, history)
 
-    def _cached_keys_values(self, x: Tensor, cache: KeyValueCache, history: int):
-        """Keys/values of the cache extended by those of the block's own tokens (inference)."""
+    def _cached_keys_values(self, x: Tensor, cache: KeyValueCache, history: int
+                            ) -> tuple[Tensor, Tensor, KeyValueCache]:
+        """Keys and values (B, H, history + M, d_head) of the cache extended by those of the
+        block's own tokens, and the new cache (inference)."""
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "a KeyValueCache is for inference under torch.no_grad(): in training the keys "
@@ -187,16 +200,68 @@ class SpanAttention(Attention):
         B, M, _ = x.shape
         new_k, new_v = (proj(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
                         for proj in (self.k, self.v))
-        keys, values, new_cache = cache.extend(new_k, new_v, history)
-
-        def keys_values(group: _Group, start: int) -> tuple[Tensor, Tensor]:
-            return keys[:, group.heads, start:], values[:, group.heads, start:]
-
-        return keys_values, new_cache
+        return cache.extend(new_k, new_v, history)
 
     def _heads(self, t: Tensor) -> Tensor:
         """(B, T, h * d_head) -> (B, h, T, d_head)."""
         return t.unflatten(-1, (-1, self.d_head)).transpose(1, 2)
+
+
+def _grouped_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyValueCache,
+                   pos: Tensor, z: Tensor | None, bounds: tuple | None, layout: _Layout,
+                   history: int) -> tuple[Tensor, Tensor | KeyValueCache]:
+    """The outputs (B, M, H, dh) of the heads of ``attn`` by head group, each group over its
+    own window with the band kernel of :mod:`adaspan.band` (``attn._attend``), and the new
+    cache."""
+    if isinstance(cache, KeyValueCache):
+        keys, values, new_cache = attn._cached_keys_values(x, cache, history)
+
+        def keys_values(group: _Group, start: int) -> tuple[Tensor, Tensor]:
+            return keys[:, group.heads, start:], values[:, group.heads, start:]
+    else:
+        keys_values, new_cache = attn._projected_keys_values(x, cache, history)
+    outputs = []
+    for group in layout.groups:
+        k, v = keys_values(group, history - group.window)
+        zg, z_min = None, None
+        if z is not None:
+            zg, z_min = z[:, group.heads], min(bounds[0][h] for h in group.members)
+        outputs.append(attn._attend(q[:, group.heads], k, v, pos[: group.window], zg,
+                                    z_min, group.heads))
+    out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    if layout.order is not None:
+        out = out[:, layout.order]
+    return out.transpose(1, 2), new_cache
+
+
+def _fused_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyValueCache,
+                 pos: Tensor, z: Tensor | None, layout: _Layout, history: int
+                 ) -> tuple[Tensor, Tensor | KeyValueCache]:
+    """The outputs (B, M, H, dh) of the heads of ``attn`` in one kernel whatever their
+    windows, and the new cache. In training, the keys and values of the cached states and of
+    the block are two products with W_k and W_v side by side (no weights sliced per head)."""
+    if isinstance(cache, KeyValueCache):
+        keys, values, new_cache = attn._cached_keys_values(x, cache, history)
+        kv = keys, values
+    else:
+        past = fit_cache(cache, history).to(x)  # (B, history, D)
+        weight = torch.cat([attn.k.weight, attn.v.weight])
+        kv = torch.cat([F.linear(past, weight), F.linear(x, weight)], dim=1)
+        kv = kv.unflatten(-1, (2, attn.n_heads, attn.d_head))  # (B, T, 2, H, dh)
+        new_cache = advance(past, x, history)
+    dropout = attn.dropout if attn.training else 0.0
+    out = fused.band_attention(q, kv, pos, z, layout.windows, history, attn.ramp, dropout)
+    return out, new_cache
+
+
+def use_kernel(model: nn.Module, kernel: str) -> None:
+    """Set the ``kernel`` (one of :data:`KERNELS`) of every :class:`SpanAttention` of
+    ``model``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    for module in model.modules():
+        if isinstance(module, SpanAttention):
+            module.kernel = kernel
 
 
 @dataclass(frozen=True)
@@ -215,11 +280,23 @@ class _Group:
 class _Layout:
     """Heads grouped by key window, in the order of their first head (groups of consecutive
     heads are concatenated in head order, with no reordering); ``order`` puts the outputs
-    back in head order otherwise; ``longest`` is the longest window."""
+    back in head order otherwise; ``longest`` is the longest window; ``device`` that of the
+    index tensors."""
 
     groups: tuple[_Group, ...]
     order: Tensor | None
     longest: int
+    device: torch.device
+
+    @functools.cached_property
+    def windows(self) -> Tensor:
+        """Each head's window, (H,) int32 on the device (for the fused kernel; uploaded at
+        its first use)."""
+        windows = [0] * sum(len(g.members) for g in self.groups)
+        for group in self.groups:
+            for head in group.members:
+                windows[head] = group.window
+        return torch.tensor(windows, dtype=torch.int32, device=self.device)
 
     @classmethod
     def of(cls, windows: tuple[int, ...], d_head: int, device: torch.device) -> _Layout:
@@ -231,7 +308,7 @@ class _Layout:
         order = [h for g in groups for h in g.members]
         inverse = (None if order == sorted(order)
                    else torch.tensor(order, device=device).argsort())
-        return cls(tuple(groups), inverse, max(windows))
+        return cls(tuple(groups), inverse, max(windows), device)
 
 
 def _indices(heads: list[int], d_head: int, device: torch.device

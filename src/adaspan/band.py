@@ -213,7 +213,8 @@ def ramp_columns(window: int, z_min: float) -> int:
 # Queries per chunk by key window (up to the window), measured with scripts/tune_chunks.py on
 # the 2-core CPU (one head, batch 8, block 256, d_head 64; best of 32/64/128/256 for training,
 # 2026-11-23): small chunks waste fewer scores (a chunk reads window + c - 1 keys), large ones
-# make larger products. On CUDA (not measured yet: no GPU was at hand) a block is one chunk:
+# make larger products. On CUDA (where span attention takes this path only without Triton, or
+# with persistent memory; not measured: no GPU was at hand) a block is one chunk:
 # fewer, larger kernels, the wasted scores being cheap there.
 CHUNKS = ((128, 64), (1024, 128), (math.inf, 256))
 

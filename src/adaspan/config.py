@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from .distributed import DEVICE
 from .errors import UserError
+from .fused import KERNELS
 from .precision import DTYPES
 from .registry import ATTENTIONS, VariantNames
 
@@ -229,10 +230,15 @@ class TrainConfig(Options):
     device: str = option("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when available)")
     dtype: str = option("auto", "products in bf16 (autocast) or fp32; auto: bf16 where the "
                         "device has fast bf16 (CUDA compute 8.0+, CPUs with AVX-512 BF16 or "
-                        "AMX), else fp32", choices=DTYPES)
+                        "AMX), else fp32 (validation too; adaspan evaluate scores in fp32)",
+                        choices=DTYPES)
     threads: int | None = option(None, "CPU threads of torch's operators (default: torch's, "
                                  "one per core; 0: the same); on a machine shared with other "
                                  "jobs: cores / jobs")
+    kernel: str = option("auto", "how span attention computes its heads: grouped (heads "
+                         "grouped by key window, the band kernels: the CPU's path), fused (all "
+                         "heads in one Triton kernel: CUDA's path) or auto (fused on CUDA with "
+                         "Triton installed, else grouped)", choices=KERNELS)
     compile: bool = option(False, "compile the layers' dense parts (norms, feed-forward, "
                            "residuals) and the output with torch.compile (true | false)")
     memory_limit: float | None = option(None, "GB a run may use (default: what the device has "

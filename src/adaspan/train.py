@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from .attention import use_kernel
 from .cache import StreamCache
 from .checkpoint import RunComplete, RunDir, TrainingState, stored_form
 from .config import ConfigError, ModelConfig, TrainConfig
@@ -197,6 +198,7 @@ def build_run(
     corpus = _load_corpus(config, dist, progress)
     available = memory_available(device, config, dist)
     model = SpanLM(model_config).to(device)
+    use_kernel(model, config.kernel)
     if config.compile:
         model.compile_dense()
     optimizer = build_optimizer(model, config)

@@ -1,0 +1,117 @@
+"""The fused kernel (the path CUDA takes, :mod:`adaspan.fused`) against the naive reference of
+the paper's equations, forward and gradients, run on the CPU by Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the interpreter is chosen before Triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers import span_attention, span_variants, tiny
+from reference import reference_attention, run_blocks
+from test_attention import _gradients_against_reference
+
+from adaspan import fused
+from adaspan.attention import use_kernel
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="needs Triton (adaspan[cuda])")
+SPAN_VARIANTS = span_variants()
+
+
+def fused_attention(kind: str, **changes):
+    """:func:`span_attention` on the fused kernel."""
+    attn = span_attention(kind, **changes)
+    use_kernel(attn, "fused")
+    return attn
+
+
+@pytest.mark.parametrize("kind", SPAN_VARIANTS)
+@pytest.mark.parametrize(("truncation", "block", "cached"),
+                         [("head", 11, 5), ("head", 20, 60), ("head", 1, 30), ("layer", 7, 60),
+                          ("none", 7, 0)])
+def test_fused_path_matches_reference(kind, truncation, block, cached):
+    attn = fused_attention(kind, truncation=truncation)
+    x, cache = torch.randn(2, block, 16), torch.randn(2, cached, 16)
+    assert attn.uses_fused(x)
+    y, _ = attn(x, cache)
+    with torch.no_grad():
+        torch.testing.assert_close(y, reference_attention(attn, x, cache), atol=1e-5,
+                                   rtol=1e-5)
+
+
+@pytest.mark.parametrize(("kind", "spans"),
+                         [(kind, [8.25, 13.5, 30.7, 44.1]) for kind in SPAN_VARIANTS]
+                         + [("adaptive", [20.25, 9.5, 20.5, 9.75])])  # non-consecutive groups
+def test_fused_gradients_match_reference(kind, spans):
+    attn = fused_attention(kind).double()
+    if kind == "adaptive":
+        attn.span.set_spans(torch.tensor(spans))
+    x, cache = (torch.randn(2, 19, 16, dtype=torch.float64),
+                torch.randn(2, 20, 16, dtype=torch.float64))
+    grads = _gradients_against_reference(attn, x, cache)
+    assert all(g.abs().sum() > 0 for n, g in grads[0].items() if n.startswith("span."))
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "dynamic"])
+def test_fused_model_equals_grouped_model_in_training_and_evaluation(kind):
+    """Two blocks with the cache carried: log-probabilities and every gradient in training,
+    log-probabilities with a key/value cache in evaluation."""
+    results = []
+    for kernel in ("grouped", "fused"):
+        model = tiny(kind)
+        use_kernel(model, kernel)
+        tokens = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(0))
+        log_probs = run_blocks(model, tokens, 12)
+        log_probs.sum().backward()
+        with torch.no_grad():
+            evaluated = run_blocks(model, tokens, 12, keys_values=True)
+        results.append((log_probs, evaluated,
+                        {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-4)
+
+
+def test_dropout_draws_the_same_mask_forward_and_backward():
+    """With dropout, the gradient is that of the function the forward computed: a directional
+    derivative by central differences (the same seed each call) equals it."""
+    torch.manual_seed(0)
+    H, M, history, dh = 2, 9, 16, 4
+    q = torch.randn(1, H, M, dh, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(1, history + M, 2, H, dh, dtype=torch.float64, requires_grad=True)
+    pos = torch.randn(history, dh, dtype=torch.float64, requires_grad=True)
+    z = torch.tensor([3.5, 9.5], dtype=torch.float64).view(1, H, 1).requires_grad_()
+    windows = torch.tensor([12, 16], dtype=torch.int32)
+    weights = torch.randn(1, M, H, dh, dtype=torch.float64)
+    inputs = (q, kv, pos, z)
+
+    def loss(*tensors):
+        torch.manual_seed(1)  # the dropout seed
+        out = fused.band_attention(*tensors, windows, history, 8, dropout=0.5)
+        return (out * weights).sum()
+
+    grads = torch.autograd.grad(loss(*inputs), inputs)
+    directions = [torch.randn_like(t) for t in inputs]
+    eps = 1e-6
+    with torch.no_grad():
+        up, down = (loss(*(t + s * eps * d for t, d in zip(inputs, directions, strict=True)))
+                    for s in (1, -1))
+    expected = sum((g * d).sum() for g, d in zip(grads, directions, strict=True))
+    torch.testing.assert_close((up - down) / (2 * eps), expected, atol=1e-6, rtol=1e-6)
+    with torch.no_grad():
+        plain = fused.band_attention(q, kv, pos, z, windows, history, 8)
+    assert not torch.allclose((plain * weights).sum(), loss(*inputs))
+
+
+def test_a_variant_with_its_own_attend_keeps_the_grouped_path():
+    attn = span_attention("adaptive")
+    attn.kernel = "fused"
+    x = torch.randn(1, 4, 16)
+    assert attn.uses_fused(x)
+    persistent = tiny("persistent")
+    use_kernel(persistent, "fused")
+    assert not persistent.layers[0].attn.uses_fused(x)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        use_kernel(persistent, "flash")
