@@ -91,7 +91,7 @@ def test_evaluation_waits_once_per_block_for_its_upload():
     assert syncs.count <= 8 + 2, syncs.report()
 
 
-# What each variant waits for in the steady state, with L layers (the README's table): a
+# What each variant waits for in the steady state, with L layers (docs/precision.md's table): a
 # training step's forward and backward (train_step, without the loop's upload of the block),
 # an evaluation block (without its upload), a generated token of the decoder (without the read
 # that samples it). Reading spans that moved: 1 for all layers; spans that depend on the tokens
@@ -132,7 +132,7 @@ def _steady_counts(attention: str, n_layers: int) -> tuple[int, int, float]:
     return train.count, evaluation.count, tokens.count / 4
 
 
-def test_every_variant_waits_as_the_readme_states():
+def test_every_variant_waits_as_the_docs_state():
     from adaspan.registry import ATTENTIONS
 
     assert set(WAITS) == set(ATTENTIONS)

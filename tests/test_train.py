@@ -33,7 +33,8 @@ from adaspan.data import load_corpus
 from adaspan.errors import UserError
 from adaspan.evaluate import evaluate
 from adaspan.optim import build_optimizer, build_scheduler, lr_factor
-from adaspan.train import Diverged, RunComplete, span_warnings, train, train_step
+from adaspan.train import Diverged, RunComplete, train, train_step
+from adaspan.watch import span_warnings
 
 RECORD_FIELDS = {"step", "train_bpc", "valid_bpc", "lr", "chars_per_s", "avg_span", "max_span",
                  "layer_avg_span", "layer_max_span", "head_spans", "elapsed", "precision"}

@@ -130,8 +130,16 @@ def bench(
     estimate = training_estimate(model, TrainConfig(
         batch_size=batch_size, block_size=block_size, optimizer=optimizer, dtype=dtype),
         batch_size)
+    return _figures(model, config, spans, batch_size, block_size, jobs, compile_s,
+                    chars / train_s, chars / eval_s, 1.0 / gen_s, estimate.total)
+
+
+def _figures(model: SpanLM, config: ModelConfig, spans: str | None, batch_size: int,
+             block_size: int, jobs: dict[str, precision.Precision], compile_s: float | None,
+             train_cps: float, eval_cps: float, generate_cps: float, estimate: int) -> dict:
+    """The flat dict of :func:`bench` from its measurements."""
+    device = jobs["train"].device
     flops = flops_per_char(model, block_size)  # paper's convention: multiply-adds
-    train_cps, eval_cps = chars / train_s, chars / eval_s
     return {
         "attention": model.config.attention,
         "max_span": config.max_span,
@@ -150,11 +158,11 @@ def bench(
         "parameters": model.num_parameters(),
         "train_chars_per_s": train_cps,
         "eval_chars_per_s": eval_cps,
-        "generate_chars_per_s": 1.0 / gen_s,
+        "generate_chars_per_s": generate_cps,
         "flops_per_char": flops,
         "train_gflops": 2 * 3 * flops * train_cps / 1e9,  # 2 per multiply-add; fwd + bwd = 3x
         "eval_gflops": 2 * flops * eval_cps / 1e9,
-        "estimated_step_peak_mb": estimate.total / 2**20,  # what train checks
+        "estimated_step_peak_mb": estimate / 2**20,  # what train checks
         "process_peak_mb": _peak_memory_mb(device),
         "matmul_gflops": matmul_gflops(device=device),
     }

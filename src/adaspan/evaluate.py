@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from .analysis import effective_spans
@@ -62,6 +63,34 @@ def evaluate(
     order of float summation (``token_logprobs`` is refused: it would be one rank's share).
     """
     dist = dist if dist is not None else Distributed()
+    _check(max_chars, batch_size, token_logprobs, dist)
+    if max_chars is not None:
+        tokens = tokens[: max_chars + 1]  # max_chars targets
+    stream = BlockStream(tokens, batch_size, block_size)
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    precision = dtype if isinstance(dtype, Precision) else choose(dtype, device, "score")
+    was_training = model.training
+    model.to(device).eval()
+    try:
+        bar = tqdm(total=stream.num_chars // dist.world_size, unit="char", unit_scale=True,
+                   desc="evaluating", disable=None if progress else True)
+        with torch.no_grad(), precision.applied(), bar:
+            nll, chars, kept, cache = _score(model, stream, dist, device, token_logprobs, bar)
+    finally:
+        model.train(was_training)
+    nll, chars = dist.sum([nll.item(), chars])
+    carried = _positions(cache)
+    result = {"bpc": nll / chars / math.log(2), "loss": nll / chars, "chars": int(chars),
+              "streams": batch_size, "stream_chars": stream.stream_len,
+              "block_size": block_size, "cache_carried": max(carried) > 0,
+              "cache_positions": carried, "precision": precision.record()}
+    if token_logprobs:  # blocks are consecutive columns of the (batch_size, n) streams
+        result["token_logprobs"] = torch.cat(kept, dim=1).flatten().cpu().numpy()
+    return result
+
+
+def _check(max_chars: int | None, batch_size: int, token_logprobs: bool,
+           dist: Distributed) -> None:
     if max_chars is not None and max_chars < 1:
         raise ConfigError(f"max_chars must be >= 1 or None, got {max_chars}")
     if dist.active and batch_size % dist.world_size:
@@ -70,42 +99,26 @@ def evaluate(
     if dist.active and token_logprobs:
         raise ConfigError("token_logprobs needs the evaluation in one process (each process "
                           "of a distributed one scores only its share of the streams)")
-    if max_chars is not None:
-        tokens = tokens[: max_chars + 1]  # max_chars targets
-    stream = BlockStream(tokens, batch_size, block_size)
-    rows, share = dist.rows(batch_size), dist.share(batch_size)
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    precision = dtype if isinstance(dtype, Precision) else choose(dtype, device, "score")
-    was_training = model.training
-    model.to(device).eval()
+
+
+def _score(model: SpanLM, stream: BlockStream, dist: Distributed, device: torch.device,
+           token_logprobs: bool, bar: tqdm) -> tuple[Tensor, int, list[Tensor], Cache]:
+    """This rank's share of the streams scored block by block, the cache carried: the summed
+    NLL (on the device), the targets, each block's target log-probabilities if asked for, and
+    the last cache."""
+    rows = dist.rows(stream.batch_size)
     nll, chars, kept = torch.zeros((), dtype=torch.float64, device=device), 0, []
-    try:
-        bar = tqdm(total=stream.num_chars // dist.world_size, unit="char", unit_scale=True,
-                   desc="evaluating", disable=None if progress else True)
-        with torch.no_grad(), precision.applied(), bar:
-            cache = model.empty_cache(share, keys_values=True)
-            for _, x, y in stream.blocks():
-                x, y = torch.stack([x[rows], y[rows]]).to(device)  # one upload
-                log_probs, cache = model(x, cache)
-                target_log_probs = log_probs.gather(-1, y.unsqueeze(-1))
-                nll -= target_log_probs.double().sum()
-                if token_logprobs:
-                    kept.append(target_log_probs[..., 0].float())
-                chars += y.numel()
-                bar.update(y.numel())
-    finally:
-        model.train(was_training)
-    nll, chars = dist.sum([nll.item(), chars])
-    chars = int(chars)
-    loss = nll / chars
-    carried = _positions(cache)
-    result = {"bpc": loss / math.log(2), "loss": loss, "chars": chars, "streams": batch_size,
-              "stream_chars": stream.stream_len, "block_size": block_size,
-              "cache_carried": max(carried) > 0, "cache_positions": carried,
-              "precision": precision.record()}
-    if token_logprobs:  # blocks are consecutive columns of the (batch_size, n) streams
-        result["token_logprobs"] = torch.cat(kept, dim=1).flatten().cpu().numpy()
-    return result
+    cache = model.empty_cache(dist.share(stream.batch_size), keys_values=True)
+    for _, x, y in stream.blocks():
+        x, y = torch.stack([x[rows], y[rows]]).to(device)  # one upload
+        log_probs, cache = model(x, cache)
+        target_log_probs = log_probs.gather(-1, y.unsqueeze(-1))
+        nll -= target_log_probs.double().sum()
+        if token_logprobs:
+            kept.append(target_log_probs[..., 0].float())
+        chars += y.numel()
+        bar.update(y.numel())
+    return nll, chars, kept, cache
 
 
 def short_context(model: SpanLM, result: dict) -> dict:

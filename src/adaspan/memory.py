@@ -166,12 +166,29 @@ def fit_batch_split(
     return None, estimate
 
 
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a run starts with: its ``batch_split``, the bytes of a step at the current spans
+    (``current``) and with every span at S (``at_limit``), of the ``available`` bytes;
+    ``raised`` whether ``batch_split`` was raised to fit."""
+
+    split: int
+    current: int
+    at_limit: int
+    available: int
+    raised: bool
+
+    def describe(self) -> str:
+        raised = f"; batch_split raised to {self.split} to fit" if self.raised else ""
+        return (f"~{size(self.current)} at the current spans, ~{size(self.at_limit)} with "
+                f"every span at S, of {size(self.available)} available{raised}")
+
+
 def check_training_memory(
     model: SpanLM, config: TrainConfig, streams: int, available: int
-) -> tuple[int, str]:
-    """The ``batch_split`` a run starts with (``config.batch_split``, raised if a step would
-    not fit in ``available`` bytes at the current spans), and one phrase for the log: the
-    estimates at the current spans and with every span at S. Refuses with
+) -> MemoryPlan:
+    """The memory plan of a run (its ``batch_split``: ``config.batch_split``, raised if a step
+    would not fit in ``available`` bytes at the current spans). Refuses with
     :class:`OutOfMemory` when even one stream per slice does not fit."""
     split, estimate = fit_batch_split(model, config, streams, available)
     if split is None:
@@ -182,11 +199,67 @@ def check_training_memory(
             "(--preset cpu-small)")
     with spans_at_limit(model):
         at_limit = training_estimate(model, config, streams // split)
-    raised = (f"; batch_split raised to {split} to fit" if split != config.batch_split
-              else "")
-    return split, (f"~{size(estimate.with_streams(streams // split).total)} at the current "
-                   f"spans, ~{size(at_limit.total)} with every span at S, of "
-                   f"{size(available)} available{raised}")
+    return MemoryPlan(split, estimate.with_streams(streams // split).total, at_limit.total,
+                      available, split != config.batch_split)
+
+
+@dataclass(frozen=True)
+class Refit:
+    """A new estimate of a step, made because the longest key window grew to ``keys``: the
+    least ``split`` that fits (None: not even one stream per slice), of ``streams`` streams
+    in ``available`` bytes."""
+
+    split: int | None
+    estimate: MemoryEstimate
+    keys: int
+    streams: int
+    available: int
+
+    def out_of_memory(self, step: int, run_dir: object) -> OutOfMemory:
+        """The error that stops a run at ``step`` (its checkpoint saved in ``run_dir``)."""
+        return OutOfMemory(
+            f"stopped at step {step} with a checkpoint in {run_dir}: at the current spans (up "
+            f"to {self.keys} keys) a step with one stream per slice needs "
+            f"~{size(self.estimate.with_streams(1).total)} of the {size(self.available)} "
+            "available; resume it where more memory is (memory_limit=, a larger device) or "
+            "train with a smaller max_span")
+
+    def raised(self, step: int, before: int, split: int) -> str:
+        """The log line of ``batch_split`` raised from ``before`` to ``split`` at ``step``."""
+        need = size(self.estimate.with_streams(self.streams // before).total)
+        return (f"step {step}: spans up to {self.keys} keys; a step would need ~{need} of "
+                f"{size(self.available)}: batch_split raised from {before} to {split} (the "
+                "same update, in more slices)")
+
+
+class MemoryWatch:
+    """Training's watch on memory as the spans grow: a step of this process's share of
+    ``batch_size`` streams is estimated again when the longest key window (in ``span_bucket``
+    units) has grown since the last estimate; the processes of ``dist`` agree on the split."""
+
+    def __init__(self, model: SpanLM, dist: Distributed, batch_size: int, available: int
+                 ) -> None:
+        self.model, self.dist, self.available = model, dist, available
+        self.streams = dist.share(batch_size)
+        self.window = self._longest_window()
+
+    def _longest_window(self) -> int:
+        longest = max(max(layer) for layer in self.model.spans())
+        return math.ceil(longest / self.model.config.span_bucket)
+
+    def refit(self, config: TrainConfig) -> Refit | None:
+        """None while the longest window has not grown; else a new :class:`Refit` from
+        ``config`` (its ``batch_split`` up), the same on every process: the largest split of
+        any, None if one of them fits none."""
+        longest = self._longest_window()
+        if longest <= self.window:
+            return None
+        self.window = longest
+        split, estimate = fit_batch_split(self.model, config, self.streams, self.available)
+        none_fits = self.dist.agree([split is None])[0]
+        split = None if none_fits else self.dist.largest([split])[0]
+        return Refit(split, estimate, longest * self.model.config.span_bucket, self.streams,
+                     self.available)
 
 
 def memory_available(device: torch.device, config: TrainConfig, dist: Distributed) -> int:

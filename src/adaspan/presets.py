@@ -23,9 +23,9 @@ def _paper(model: dict, train: dict, description: str) -> dict:
 _SMALL = {"n_layers": 12, "d_model": 512, "d_inner": 2048, "dropout": 0.3}
 _LARGE = {"n_layers": 24, "d_model": 768, "d_inner": 4096, "dropout": 0.4}
 
-# Measured on a 2-core CPU (README): with the authors' per-tensor clipping the paper's Adagrad
-# recipe learns as fast per step as AdamW (with the global norm clipped at 0.03 it stays at
-# unigram level); the CPU presets keep AdamW, slightly ahead after 10 minutes.
+# Measured on a 2-core CPU (docs/training-log.md): with the authors' per-tensor clipping the
+# paper's Adagrad recipe learns as fast per step as AdamW (with the global norm clipped at 0.03
+# it stays at unigram level); the CPU presets keep AdamW, slightly ahead after 10 minutes.
 _CPU_MODEL = {"n_heads": 4, "dropout": 0.1, "ramp": 32, "span_loss_coef": 2e-6}
 _CPU_TRAIN = {"data": "kjv", "optimizer": "adamw", "lr": 3e-3, "clip": 1.0, "clip_mode": "global",
               "weight_decay": 0.01}
