@@ -55,12 +55,11 @@ def _keep(SEED, bh, t, r, T, p_drop, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def band_forward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, spd,
-                 szb, szh, szt, H, M, T, n_pos, history, dh, scale, ramp,
-                 OUT, LSE, sob, soh, sot, SEED, p_drop,
-                 HAS_Z: tl.constexpr, DH: tl.constexpr, DROPOUT: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Output and log-normaliser of a tile of queries of one head (online softmax)."""
+def _tile(Q, Z, WIN, LSE, sqb, sqh, sqt, szb, szh, szt, H, M, dh, DH: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """This program's tile: batch b, head h and its window w, the first query ``start``, the
+    query positions t, the feature index e, the valid (query, feature) entries, the queries
+    and their z (in the accumulators' type)."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     w = tl.load(WIN + h)
@@ -69,8 +68,21 @@ def band_forward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, s
     e = tl.arange(0, DH)
     rows = (t[:, None] < M) & (e[None, :] < dh)
     q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqt + e[None, :], mask=rows, other=0.0)
+    z = tl.load(Z + b * szb + h * szh + t * szt, mask=t < M, other=0.0)
+    return b, h, w, start, t, e, rows, q, z.to(LSE.dtype.element_ty)
+
+
+@triton.jit
+def band_forward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, spd,
+                 szb, szh, szt, H, M, T, n_pos, history, dh, scale, ramp,
+                 OUT, LSE, sob, soh, sot, SEED, p_drop,
+                 HAS_Z: tl.constexpr, DH: tl.constexpr, DROPOUT: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Output and log-normaliser of a tile of queries of one head (online softmax)."""
+    bh = tl.program_id(1)
+    b, h, w, start, t, e, rows, q, z = _tile(Q, Z, WIN, LSE, sqb, sqh, sqt, szb, szh, szt, H,
+                                             M, dh, DH, BLOCK)
     acc_type = LSE.dtype.element_ty  # fp32, or fp64 for fp64 inputs
-    z = tl.load(Z + b * szb + h * szh + t * szt, mask=t < M, other=0.0).to(acc_type)
     top = tl.full((BLOCK,), -1e30, acc_type)
     total = tl.zeros((BLOCK,), acc_type)
     acc = tl.zeros((BLOCK, DH), acc_type)
@@ -123,15 +135,9 @@ def band_backward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, 
     for k and v (the gradient of v ``sgv`` after that of k, with the same strides) and p_d.
     OUT shares the strides of GO."""
     bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    w = tl.load(WIN + h)
-    start = tl.program_id(0) * BLOCK
-    t = start + tl.arange(0, BLOCK)
-    e = tl.arange(0, DH)
-    rows = (t[:, None] < M) & (e[None, :] < dh)
-    q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqt + e[None, :], mask=rows, other=0.0)
+    b, h, w, start, t, e, rows, q, z = _tile(Q, Z, WIN, LSE, sqb, sqh, sqt, szb, szh, szt, H,
+                                             M, dh, DH, BLOCK)
     acc_type = LSE.dtype.element_ty  # fp32, or fp64 for fp64 inputs
-    z = tl.load(Z + b * szb + h * szh + t * szt, mask=t < M, other=0.0).to(acc_type)
     go = tl.load(GO + b * sgb + h * sgh + t[:, None] * sgt + e[None, :], mask=rows, other=0.0)
     o = tl.load(OUT + b * sgb + h * sgh + t[:, None] * sgt + e[None, :], mask=rows, other=0.0)
     lse = tl.load(LSE + bh * M + t, mask=t < M, other=0.0)
