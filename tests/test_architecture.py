@@ -12,11 +12,11 @@ PACKAGE = Path(adaspan.__file__).parent
 
 # Layer of every module, lowest first (the table of docs/architecture.md).
 LAYERS = {
-    "_version": 0, "errors": 0, "span": 0, "presets": 0, "_fused_kernels": 0,
+    "_version": 0, "errors": 0, "span": 0, "presets": 0, "_fused_kernels": 0, "analysis": 0,
     "registry": 1, "fused": 1, "files": 1, "cache": 1, "download": 1, "distributed": 1,
-    "analysis": 1, "precision": 1, "synthetic": 1,
+    "precision": 1, "synthetic": 1, "plots": 1, "tables": 1,
     "config": 2, "data": 2, "band": 2, "metrics": 2,
-    "attention": 3, "page": 3, "resolve": 3,
+    "attention": 3, "page": 3, "resolve": 3, "recorder": 3, "watch": 3,
     "baselines": 4, "expire": 4, "persistent": 4,
     "model": 5,
     "checkpoint": 6, "decode": 6, "evaluate": 6, "optim": 6, "memory": 6,
@@ -64,3 +64,18 @@ def test_the_layer_table_is_the_one_documented():
     for module, layer in LAYERS.items():
         if module != "__init__":
             assert f"`{module}.py` | {layer} |" in doc, module
+
+
+LONGEST = {"function": 60, "class": 150}  # lines, from `def`/`class` to the end, docstring in
+
+
+def test_no_function_or_class_is_longer_than_a_reader_holds_in_the_head():
+    long = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            kind = ("class" if isinstance(node, ast.ClassDef) else "function"
+                    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None)
+            if kind and node.end_lineno - node.lineno + 1 > LONGEST[kind]:
+                long.append(f"{path.name}: {kind} {node.name}, "
+                            f"{node.end_lineno - node.lineno + 1} lines")
+    assert long == []

@@ -302,7 +302,9 @@ def test_cli_max_spans(tmp_path, capsys):
                  "64,96", "--out", str(tmp_path / "c"), "--json", "--no-progress"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [row["max_span"] for row in rows] == [64, 96]
-    with pytest.raises(SystemExit) as exit_info:
-        main(["compare", "--max-spans", "64,x", "--out", str(tmp_path / "d")])
-    assert exit_info.value.code == 2
-    assert "not a list of whole numbers" in capsys.readouterr().err
+    for bad in ("64,x", "0,64", "-64"):  # refused before anything runs
+        with pytest.raises(SystemExit) as exit_info:
+            main(["compare", "--max-spans", bad, "--out", str(tmp_path / "d")])
+        assert exit_info.value.code == 2
+        assert "not a list of whole numbers > 0" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

@@ -16,12 +16,12 @@ import torch
 from helpers import TRAIN_MODEL
 
 from adaspan import ModelConfig, SpanLM, TrainConfig
-from adaspan.analysis import compare_figure
 from adaspan.attention import SpanAttention
 from adaspan.checkpoint import load_model
 from adaspan.cli import main
 from adaspan.data import load_corpus
 from adaspan.memory import profiled_peak
+from adaspan.plots import compare_figure
 from adaspan.registry import ATTENTIONS, Variant
 from adaspan.report import (
     DATA_FILE,
@@ -237,9 +237,13 @@ def test_missing_matplotlib_is_a_one_line_error(runs, monkeypatch, capsys):
     assert err.count("\n") == 0 and "adaspan[plot]" in err
 
 
-def test_bad_limits_are_one_line_errors(runs, capsys):
-    assert main(["report", str(runs["fixed"]), "--limits", "64,x"]) == 2
-    assert "--limits" in capsys.readouterr().err
+@pytest.mark.parametrize("limits", ["64,x", "0,64", ","])
+def test_bad_limits_are_usage_errors(runs, limits, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["report", str(runs["fixed"]), "--limits", limits])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and last.startswith("adaspan report: error: argument --limits")
+    assert "not a list of whole numbers > 0" in last
 
 
 def test_compare_figure_draws_every_method_against_time():

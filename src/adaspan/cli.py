@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        _set_up(args)
         return args.run(args) or 0
     except KeyboardInterrupt as stop:  # a signal: training saved first (train.Interrupted)
         if _is_main_process():
@@ -63,6 +64,18 @@ def main(argv: list[str] | None = None) -> int:
         print("adaspan: this is a bug in adaspan; run with --debug for the traceback",
               file=sys.stderr)
         return 1
+
+
+def _set_up(args: argparse.Namespace) -> None:
+    """Torch's CPU threads (``--threads``) and the device (``--device``, resolved in place) of
+    the commands that have those options; those of train (and compare's threads) are train
+    options (``train.threads``), set by the training run."""
+    from .distributed import resolve_device, use_threads
+
+    if "threads" in args:
+        use_threads(args.threads)
+    if "device" in args:
+        args.device = resolve_device(args.device)
 
 
 def _is_main_process() -> bool:
@@ -98,6 +111,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 DEBUG_HELP = "show the traceback of an error, not only its message"
+TOML_HELP = "TOML file with [model] and [train] tables"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +144,47 @@ def _command(commands, name: str, run, run_dir: bool = False) -> argparse.Argume
     return parser
 
 
+def _add_sources(p: argparse.ArgumentParser, overrides: str, preset: str, config: str,
+                 default_preset: str | None = None) -> None:
+    """Where a command's configuration comes from (:func:`adaspan.resolve.resolve_config`):
+    KEY=VALUE ``overrides``, ``--preset`` and ``--config``, each with this command's help."""
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides)
+    p.add_argument("--preset", default=default_preset, help=preset)
+    p.add_argument("--config", type=Path, help=config)
+
+
+def _add_runtime(p: argparse.ArgumentParser, auto: str) -> None:
+    """``--device``, ``--dtype`` and ``--threads`` of a command that runs a model (the device
+    and threads are set before it runs: :func:`_set_up`); ``auto``: what ``--dtype auto``
+    means for this command."""
+    p.add_argument("--device", default="auto", help=_train_option_help("device"))
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help=f"products in bf16 (autocast) or fp32; auto: {auto}")
+    _add_threads(p)
+
+
+def _add_threads(p: argparse.ArgumentParser, dest: str = "threads") -> None:
+    """``--threads``; ``dest="train.threads"`` where the command's training runs set them."""
+    p.add_argument("--threads", type=_count, metavar="N", dest=dest,
+                   help=_train_option_help("threads"))
+
+
+def _train_option_help(name: str) -> str:
+    """The help of the train option ``name``, for a command's flag of the same meaning."""
+    from .config import TrainConfig
+
+    return next(item for item in fields(TrainConfig) if item.name == name).metadata["help"]
+
+
+def _add_output(p: argparse.ArgumentParser, json_help: str | None = None,
+                progress: bool = False) -> None:
+    """``--json`` (``json_help``: what it prints) and, with ``progress``, ``--no-progress``."""
+    if json_help:
+        p.add_argument("--json", action="store_true", help=json_help)
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 # ---------------------------------------------------------------------------------------- train
 
 
@@ -146,14 +201,12 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_train(commands) -> None:
     p = _command(commands, "train", _train)
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="override any option, e.g. lr=0.01 or model.max_span=1024")
-    p.add_argument("--preset", help="named configuration (see `adaspan presets`)")
-    p.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
+    _add_sources(p, "override any option, e.g. lr=0.01 or model.max_span=1024",
+                 "named configuration (see `adaspan presets`)", TOML_HELP)
     p.add_argument("--run-dir", type=Path, help="where to write the run (default: runs/NAME-TIME)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR exactly where it stopped")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_output(p, progress=True)
     _add_config_options(p)
 
 
@@ -192,7 +245,7 @@ def _train(args: argparse.Namespace) -> int:
     result = train(model_config, train_config, run_dir, resume=bool(args.resume),
                    progress=not args.no_progress)
     complete = isinstance(result, RunComplete)  # a finished run, left as it is: nothing to do
-    line = str(result) if complete else json.dumps(_rounded(result))
+    line = str(result) if complete else _json_line(result)
     if _is_main_process():  # under torchrun: one line, not one per process
         print(line)
     return 0
@@ -216,14 +269,11 @@ def _add_evaluate(commands) -> None:
                    help="characters per block (default: the run's)")
     p.add_argument("--max-chars", type=_positive_int,
                    help="score only the first N characters of the split (a contiguous prefix)")
-    _add_device(p)
-    _add_dtype(p, "fp32 with TF32 off on any device, so the bpc does not depend on the hardware")
-    _add_threads(p)
+    _add_runtime(p, "fp32 with TF32 off on any device, so the bpc does not depend on the hardware")
     p.add_argument("--token-logprobs", type=Path, metavar="FILE.npy",
                    help="save the natural-log probability of every scored token (float32, "
                    "stream after stream: text order with --batch-size 1)")
-    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_output(p, "end with one JSON line of results", progress=True)
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -239,12 +289,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     from .evaluate import bpc_by_distance, evaluate, short_context
     from .official import run_split
     from .synthetic import is_synthetic
+    from .tables import evaluation_text
 
-    _use_threads(args)
     tokens, name, unit = run_split(args.run_dir, args.split, args.data, args.data_dir,
                                    progress=not args.no_progress)
     block_size = args.block_size or RunDir(args.run_dir).load_config()[1].block_size
-    model = load_model(args.run_dir, _device(args.device))
+    model = load_model(args.run_dir, args.device)
     synthetic = is_synthetic(name)
     result = evaluate(model, tokens, batch_size=args.batch_size, block_size=block_size,
                       progress=not args.no_progress, max_chars=args.max_chars, dtype=args.dtype,
@@ -257,67 +307,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     result = {**result, **short_context(model, result), "split": args.split, "data": name,
               **result["precision"]}  # dtype, tf32, device, torch: what ran
     del result["precision"]
-    if args.json:
-        print(json.dumps(_rounded(result)))
-    else:
-        print(f"{name} {args.split}: {result['bpc']:.4f} bpc over {result['chars']:,} {unit}s")
-        print(_evaluation_card(result, unit))
-        if synthetic:
-            print(_by_distance(result["by_distance"]))
+    print(_json_line(result) if args.json else evaluation_text(result, unit))
     return 0
-
-
-def _by_distance(groups: list[dict]) -> str:
-    """The bpc of each group of :func:`adaspan.evaluate.bpc_by_distance`, one line each."""
-    lines = ["  by the distance back to the character repeated:"]
-    for group in groups:
-        where = ("repeats nothing" if group["to"] == 0 else
-                 f"{group['from']:,} or more back" if group["to"] is None else
-                 f"{group['from']:,} to {group['to'] - 1:,} back")
-        lines.append(f"    {where:<22} {group['chars']:>9,} chars  {group['bpc']:.4f} bpc")
-    return "\n".join(lines)
-
-
-def _evaluation_card(result: dict, unit: str) -> str:
-    """What :func:`adaspan.evaluate.evaluate` scored and how, for people, indented."""
-    cache = (f"yes, up to {max(result['cache_positions']):,} positions per stream"
-             if result["cache_carried"] else "no, each block starts without context")
-    short, longest = result["short_context_chars"], result["longest_span"]
-    streams = "1 stream" if result["streams"] == 1 else f"{result['streams']} streams"
-    return "\n".join([
-        f"  {result['split']} split: {result['chars']:,} {unit}s scored in {streams} (batch "
-        f"size) of {result['stream_chars']:,}, blocks of {result['block_size']}, in "
-        f"{result['dtype']}{' (TF32)' if result['tf32'] else ''} on {result['device']}",
-        f"  cache carried from block to block: {cache}",
-        f"  {short:,} {unit}s ({short / result['chars']:.2%}) scored with fewer than the "
-        f"longest span ({longest:.1f}) of {unit}s before them: each stream starts without "
-        "context (--batch-size 1: one stream)"])
-
-
-def _add_dtype(p: argparse.ArgumentParser, auto: str) -> None:
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help=f"products in bf16 (autocast) or fp32; auto: {auto}")
-
-
-def _add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help=_train_option_help("device"))
-
-
-def _add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_count, metavar="N", help=_train_option_help("threads"))
-
-
-def _train_option_help(name: str) -> str:
-    """The help of the train option ``name``, for a command's flag of the same meaning."""
-    from .config import TrainConfig
-
-    return next(item for item in fields(TrainConfig) if item.name == name).metadata["help"]
-
-
-def _use_threads(args: argparse.Namespace) -> None:
-    from .distributed import use_threads
-
-    use_threads(args.threads)
 
 
 # ------------------------------------------------------------------------------------- generate
@@ -335,12 +326,9 @@ def _add_generate(commands) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the sampling: a seed gives the same text at every call (the "
                    "default one too); pass another seed for another sample")
-    _add_device(p)
-    _add_dtype(p, "fp32 on the CPU (faster there for one token at a time), bf16 on a GPU "
-               "with fast bf16")
-    _add_threads(p)
-    p.add_argument("--json", action="store_true",
-                   help="no streaming: print one JSON object with the text and its speed")
+    _add_runtime(p, "fp32 (TF32 on CUDA): one token at a time, bf16 is not faster on the "
+                 "CPUs measured")
+    _add_output(p, "no streaming: print one JSON object with the text and its speed")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -351,11 +339,9 @@ def _generate(args: argparse.Namespace) -> int:
     from .official import run_codec
     from .precision import choose
 
-    _use_threads(args)
     codec = run_codec(args.run_dir)
-    device = _device(args.device)
-    model = load_model(args.run_dir, device)
-    precision = choose(args.dtype, device, "generate")
+    model = load_model(args.run_dir, args.device)
+    precision = choose(args.dtype, args.device, "generate")
     with precision.applied():  # the tokens are computed as they are read
         _sample(args, model, codec, precision)
     return 0
@@ -404,7 +390,7 @@ def _add_inspect(commands) -> None:
     p = _command(commands, "inspect", _inspect, run_dir=True)
     p.add_argument("--plot", type=Path, metavar="DIR",
                    help="write spans.png and curves.png into DIR (e.g. the run directory)")
-    p.add_argument("--json", action="store_true", help="print spans and summary as JSON")
+    _add_output(p, "print spans and summary as JSON")
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -412,76 +398,34 @@ def _inspect(args: argparse.Namespace) -> int:
 
     Print the span of every head, each head's span at the first and the last record of
     metrics.jsonl and its largest over the records, and the last record."""
-    from .analysis import (
-        head_span_history,
-        plot_curves,
-        plot_spans,
-        span_summary,
-        span_table,
-    )
-    from .checkpoint import RunDir, load_model
-    from .metrics import read_metrics
+    from .analysis import head_span_history, span_summary, span_trajectories
+    from .checkpoint import load_model
+    from .plots import plot_curves, plot_spans
+    from .report import run_events
+    from .tables import record_line, span_table, trajectory_table
 
     model = load_model(args.run_dir)
     spans = model.spans()
-    events = read_metrics(RunDir(args.run_dir).metrics_file)
-    trajectories = _trajectories(head_span_history(events))
+    events = run_events(args.run_dir)
+    trajectories = span_trajectories(head_span_history(events))
     if args.json:
-        print(json.dumps(_rounded({"spans": spans, **span_summary(spans),
-                                   "parameters": model.num_parameters(),
-                                   "span_trajectories": trajectories})))
+        print(_json_line({"spans": spans, **span_summary(spans),
+                          "parameters": model.num_parameters(),
+                          "span_trajectories": trajectories}))
     else:
         cfg = model.config
         print(f"{args.run_dir}: {cfg.attention} attention, {cfg.n_layers} layers x "
               f"{cfg.n_heads} heads, S={cfg.max_span}, {model.num_parameters():,} parameters")
         print(span_table(spans))
         if trajectories["steps"]:
-            print(_trajectory_table(trajectories))
+            print(trajectory_table(trajectories))
         for event in events[-1:]:
-            print("last record: " + ", ".join(f"{k}={_readable(k, v)}" for k, v in event.items()
-                                              if k != "head_spans"))  # in the table above
+            print(f"last record: {record_line(event)}")
     if args.plot:
         for path in (plot_spans(spans, args.plot / "spans.png", model.config.max_span),
                      plot_curves(events, args.plot / "curves.png")):
             print(f"wrote {path}")
     return 0
-
-
-def _trajectories(history: dict) -> dict:
-    """Each head's span at the first record of ``history``
-    (:func:`~adaspan.analysis.head_span_history`), at the last and the largest over them
-    (layers x heads), and the ``steps`` of the first and last records (empty without any)."""
-    pick = {"start": lambda values: values[0], "now": lambda values: values[-1], "max": max}
-    steps = history["steps"]
-    return {"steps": [steps[0], steps[-1]] if steps else [],
-            **{key: [[of(values) for values in layer] for layer in history["spans"]]
-               for key, of in pick.items()}}
-
-
-def _trajectory_table(trajectories: dict) -> str:
-    """:func:`_trajectories` for people: a line per layer, a cell per head."""
-    first, last = trajectories["steps"]
-    lines = [f"span of each head during training (metrics.jsonl, steps {first:,} to {last:,}): "
-             "start -> now (max)"]
-    for i, layer in enumerate(trajectories["now"]):
-        cells = (f"h{h} {trajectories['start'][i][h]:.1f} -> {now:.1f} "
-                 f"({trajectories['max'][i][h]:.1f})" for h, now in enumerate(layer))
-        lines.append(f"{i:>5d} | " + " | ".join(cells))
-    return "\n".join(lines)
-
-
-def _readable(key: str, value: object) -> str:
-    """A value of a metrics record for people: bpc to 4 decimals, spans to 1, other numbers to
-    4 significant digits (whole numbers from 1,000 up)."""
-    if isinstance(value, list):
-        return f"[{', '.join(_readable(key, v) for v in value)}]"
-    if not isinstance(value, float):
-        return str(value)
-    if "bpc" in key:
-        return f"{value:.4f}"
-    if "span" in key:
-        return f"{value:.1f}"
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
 # --------------------------------------------------------------------------------------- report
@@ -492,7 +436,7 @@ def _add_report(commands) -> None:
     p.add_argument("--out", type=Path, metavar="DIR", help="output directory [RUN_DIR/report]")
     p.add_argument("--text", help="text of the Figure 5 panel (dynamic spans) [a piece of the "
                    "run's valid split]")
-    p.add_argument("--limits", default="256,512,1024,2048,4096,8192",
+    p.add_argument("--limits", type=_positive_ints, default="256,512,1024,2048,4096,8192",
                    help="span limits S of the Figure 3 panel [default: %(default)s]")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the memory probe (one training step per limit and curve)")
@@ -508,15 +452,8 @@ def _report(args: argparse.Namespace) -> int:
     OUT/report.json, the numbers behind the figures."""
     from .report import write_report
 
-    try:
-        limits = [int(v) for v in args.limits.split(",") if v.strip()]
-    except ValueError:
-        raise CLIError(f"--limits takes integers separated by commas, got {args.limits!r}") \
-            from None
-    if not limits or min(limits) < 1:
-        raise CLIError(f"--limits takes positive integers, got {args.limits!r}")
-    page = write_report(args.run_dir, args.out, args.text, limits, not args.no_memory,
-                        _device(args.device))
+    page = write_report(args.run_dir, args.out, args.text, args.limits, not args.no_memory,
+                        args.device)
     print(f"wrote {page}")
     return 0
 
@@ -528,9 +465,8 @@ BENCH_BLOCK_SIZE = 256  # without a preset or config file
 
 def _add_bench(commands) -> None:
     p = _command(commands, "bench", _bench)
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="model options")
-    p.add_argument("--preset", help="take the model of this preset")
-    p.add_argument("--config", type=Path, help="TOML file with a [model] table")
+    _add_sources(p, "model options", "take the model of this preset",
+                 "TOML file with a [model] table")
     p.add_argument("--spans", help="'fixed', or spans cycled over the heads, e.g. 32,64,128,1024 "
                    "(default: the spans of a new model)")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="parallel streams")
@@ -541,15 +477,13 @@ def _add_bench(commands) -> None:
                    help="timed steps (after one warm-up)")
     p.add_argument("--gen-chars", type=_positive_int, default=64,
                    help="characters generated for timing")
-    _add_device(p)
-    _add_dtype(p, "each part as its command runs it: training bf16 where the device has fast bf16, "
-                "evaluation fp32, generation as `adaspan generate`")
-    _add_threads(p)
+    _add_runtime(p, "each part as its command runs it: training bf16 where the device has fast "
+                 "bf16, evaluation fp32, generation as `adaspan generate`")
     p.add_argument("--statistic", choices=("median", "mean"), default="median",
                    help="of the timed steps (mean: the protocol of the authors' bench script)")
     p.add_argument("--compile", action="store_true",
                    help="compile the dense parts with torch.compile (compile_s: its time)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_output(p, "print one JSON object")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -559,21 +493,15 @@ def _bench(args: argparse.Namespace) -> int:
     of their times."""
     from .bench import MEMORY_FIELDS, bench
     from .resolve import resolve_config
+    from .tables import bench_table
 
-    _use_threads(args)
     model_config, train_config = resolve_config(args.preset, args.config, args.overrides)
     block_size = args.block_size or (train_config.block_size if args.preset or args.config
                                      else BENCH_BLOCK_SIZE)
     result = bench(model_config, args.batch_size, block_size, args.spans, args.steps,
-                   args.gen_chars, _device(args.device), args.dtype, args.statistic,
+                   args.gen_chars, args.device, args.dtype, args.statistic,
                    args.compile, train_config.optimizer)
-    if args.json:
-        print(json.dumps(_rounded(result)))
-    else:
-        for key, value in result.items():
-            shown = f"{value:,.1f}" if isinstance(value, float) else value
-            note = f"  ({MEMORY_FIELDS[key]})" if key in MEMORY_FIELDS else ""
-            print(f"{key:>22}: {shown}{note}")
+    print(_json_line(result) if args.json else bench_table(result, MEMORY_FIELDS))
     return 0
 
 
@@ -630,7 +558,7 @@ def _add_demo(commands) -> None:
                    help="cap on training time (the demo preset runs 2,400 steps, ~4 min)")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where to write the run (default: runs/demo-TIME)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_output(p, progress=True)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -646,37 +574,24 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _add_compare(commands) -> None:
     p = _command(commands, "compare", _compare)
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="override any option for every method, e.g. d_model=128")
     p.add_argument("--methods", default=",".join(ATTENTIONS),
                    help="comma-separated attention methods [default: %(default)s]")
-    p.add_argument("--preset", default="cpu-small",
-                   help="named configuration [default: %(default)s]")
-    p.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
+    _add_sources(p, "override any option for every method, e.g. d_model=128",
+                 "named configuration [default: %(default)s]", TOML_HELP,
+                 default_preset="cpu-small")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--minutes", type=_positive_float,
                         help="training time of each method")
     budget.add_argument("--steps", type=_positive_int, help="training steps of each method")
-    p.add_argument("--max-spans", type=_span_limits, metavar="S,S,..",
+    p.add_argument("--max-spans", type=_positive_ints, metavar="S,S,..",
                    help="train every method with each span limit S and draw bpc, FLOPs, "
                    "memory and speed against S (the paper's Figure 2)")
     p.add_argument("--out", type=Path, help="output directory (default: runs/compare-TIME)")
     p.add_argument("--test", action="store_true", help="also report test bpc")
     p.add_argument("--eval-chars", type=_positive_int, metavar="N",
                    help="evaluate on the first N characters of each split (default: all)")
-    _add_threads(p)
-    p.add_argument("--json", action="store_true", help="end with the rows as one JSON line")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _span_limits(text: str) -> list[int]:
-    """``--max-spans 256,512``: span limits, whole numbers separated by commas."""
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a list of whole numbers separated by commas, e.g. 256,1024"
-        ) from None
+    _add_threads(p, dest="train.threads")  # a train option: each method's run sets them
+    _add_output(p, "end with the rows as one JSON line", progress=True)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -697,15 +612,14 @@ def _compare(args: argparse.Namespace) -> int:
         budget = [f"time_budget={args.minutes * 60}", "steps=1e9"]
     elif args.steps is not None:
         budget = [f"steps={args.steps}"]
-    threads = [] if args.threads is None else [f"threads={args.threads}"]  # set by train
     model_config, train_config = resolve_config(args.preset, args.config,
-                                                budget + threads + list(args.overrides))
+                                                budget + _config_overrides(args))
     out = args.out or new_run_dir("compare")
     methods = [method.strip() for method in args.methods.split(",") if method.strip()]
     rows = compare(methods, model_config, train_config, out, args.test, args.eval_chars,
                    progress=not args.no_progress, max_spans=args.max_spans)
     if args.json:
-        print(json.dumps([_rounded(row) for row in rows]))
+        print(_json_line(rows))
     else:
         print((out / MARKDOWN_FILE).read_text(), end="")
     return 0
@@ -751,12 +665,6 @@ def _convert_official(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- helpers
 
 
-def _device(name: str) -> torch.device:
-    from .distributed import resolve_device
-
-    return resolve_device(name)
-
-
 def _positive_int(text: str) -> int:
     """argparse type: an integer > 0."""
     return _integer(text, 1, "a positive integer")
@@ -777,6 +685,18 @@ def _integer(text: str, least: int, what: str) -> int:
     return value
 
 
+def _positive_ints(text: str) -> list[int]:
+    """argparse type: whole numbers > 0 separated by commas (``256,1024``)."""
+    try:
+        values = [_positive_int(part) for part in text.split(",") if part.strip()]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of whole numbers > 0 "
+                                         "separated by commas, e.g. 256,1024")
+    return values
+
+
 def _positive_float(text: str) -> float:
     """argparse type: a number > 0."""
     try:
@@ -788,7 +708,12 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _rounded(values):
+def _json_line(values: object) -> str:
+    """``values`` as one line of JSON, floats rounded to 6 digits."""
+    return json.dumps(_rounded(values))
+
+
+def _rounded(values: object) -> object:
     """Floats rounded to 6 digits, in dicts and lists too, for JSON output."""
     if isinstance(values, dict):
         return {key: _rounded(value) for key, value in values.items()}

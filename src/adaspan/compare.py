@@ -24,16 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .analysis import (
-    PlotError,
-    compare_figure,
-    effective_spans,
-    flops_per_char,
-    png_bytes,
-    require_plots,
-    span_limit_figure,
-    span_summary,
-)
+from .analysis import effective_spans, flops_per_char, span_summary
 from .checkpoint import RunDir, RunDirError, load_model, stored_form
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import Corpus, load_corpus
@@ -44,6 +35,7 @@ from .files import atomic_write
 from .memory import training_estimate
 from .model import SpanLM
 from .page import Column, compare_page
+from .plots import PlotError, compare_figure, png_bytes, require_plots, span_limit_figure
 from .precision import choose
 from .registry import ATTENTIONS
 from .report import run_events

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from .analysis import span_table
 from .checkpoint import load_model, new_run_dir
 from .data import load_corpus
 from .evaluate import evaluate
 from .generate import generate
 from .resolve import resolve_config
+from .tables import span_table
 from .train import train
 
 PROMPT = b"And God said"

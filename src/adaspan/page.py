@@ -12,8 +12,10 @@ import html
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from . import analysis
+from . import plots
+from .analysis import span_summary
 from .config import ModelConfig
+from .tables import span_table
 
 # A column of a table of rows: row key, header and cell format.
 Column = tuple[str, str, Callable[[object], str]]
@@ -93,7 +95,7 @@ def _header(data: dict, saved: dict, events: list[dict]) -> str:
     last = events[-1] if events else {}
     valid = [(e["valid_bpc"], e.get("precision")) for e in events
              if e.get("valid_bpc") is not None]
-    summary = analysis.span_summary(data["spans"])
+    summary = span_summary(data["spans"])
     facts = {
         "run directory": str(Path(data["run_dir"]).resolve()),
         "attention": data["attention"],
@@ -118,7 +120,7 @@ def _bpc_section(events: list[dict]) -> str:
                "resumed calls, the sum of their times).")
     if not events:
         caption += " <b>This run has no metrics.jsonl: no curves.</b>"
-    return _figure("fig-bpc", "Training curves", analysis.png_bytes(analysis.bpc_figure(events)),
+    return _figure("fig-bpc", "Training curves", plots.png_bytes(plots.bpc_figure(events)),
                    caption)
 
 
@@ -129,8 +131,8 @@ def _span_history_section(events: list[dict], max_span: int) -> str:
     else:
         caption = ("This run's records hold no per-layer spans (written since adaspan 0.3): "
                    "average and longest span over all heads.")
-    fig = analysis.span_history_figure(events, max_span)
-    return _figure("fig-span-history", "Spans during training", analysis.png_bytes(fig), caption)
+    fig = plots.span_history_figure(events, max_span)
+    return _figure("fig-span-history", "Spans during training", plots.png_bytes(fig), caption)
 
 
 def _head_spans_section(data: dict, cfg: ModelConfig) -> str:
@@ -147,8 +149,8 @@ def _head_spans_section(data: dict, cfg: ModelConfig) -> str:
         caption += " Dynamic spans: averaged over the tokens of the step's last batch."
     elif not data["learned_spans"]:
         caption += f" This run's attention ({data['attention']}) has no learned spans."
-    fig = analysis.head_spans_figure(history, cfg.max_span, cfg.ramp)
-    return _figure("fig-head-spans", title, analysis.png_bytes(fig), caption)
+    fig = plots.head_spans_figure(history, cfg.max_span, cfg.ramp)
+    return _figure("fig-head-spans", title, plots.png_bytes(fig), caption)
 
 
 def _spans_section(data: dict, cfg: ModelConfig) -> str:
@@ -157,9 +159,9 @@ def _spans_section(data: dict, cfg: ModelConfig) -> str:
     if "dynamic" in data:
         caption += " Dynamic spans: averaged over the characters of the Figure 5 text."
     table = ("<details><summary>spans as a table</summary><pre>"
-             f"{html.escape(analysis.span_table(data['spans']))}</pre></details>")
-    fig = analysis.spans_figure(data["spans"], cfg.max_span)
-    return _figure("fig-spans", "Final span of every head (Figure 4)", analysis.png_bytes(fig),
+             f"{html.escape(span_table(data['spans']))}</pre></details>")
+    fig = plots.spans_figure(data["spans"], cfg.max_span)
+    return _figure("fig-spans", "Final span of every head (Figure 4)", plots.png_bytes(fig),
                    caption, table)
 
 
@@ -185,7 +187,7 @@ def _cost_section(data: dict, cfg: ModelConfig) -> str:
     elif not data["learned_spans"]:
         caption += f" This run's attention ({data['attention']}) has no learned spans: fixed only."
     return _figure("fig-cost", "Cost against the span limit (Figure 3)",
-                   analysis.png_bytes(analysis.cost_figure(costs)), caption, _cost_table(costs))
+                   plots.png_bytes(plots.cost_figure(costs)), caption, _cost_table(costs))
 
 
 def _cost_table(costs: dict) -> str:
@@ -206,8 +208,8 @@ def _dynamic_section(dynamic: dict, cfg: ModelConfig) -> str:
                f"paper's curve). The span of a character is {html.escape(dynamic['meaning'])}. "
                "Text: "
                f"<code>{html.escape(dynamic['text'])}</code>")
-    fig = analysis.dynamic_span_figure(chars, dynamic["spans"], cfg.max_span, cfg.ramp)
-    return _figure("fig-dynamic", "Dynamic span along a text (Figure 5)", analysis.png_bytes(fig),
+    fig = plots.dynamic_span_figure(chars, dynamic["spans"], cfg.max_span, cfg.ramp)
+    return _figure("fig-dynamic", "Dynamic span along a text (Figure 5)", plots.png_bytes(fig),
                    caption)
 
 
@@ -253,7 +255,7 @@ def _spans_side_by_side(spans: Mapping[str, list[list[float]]], max_span: int) -
         return ""
     cells = []
     for method, layers in spans.items():
-        png = analysis.png_bytes(analysis.spans_figure(layers, max_span, title=method), dpi=80)
+        png = plots.png_bytes(plots.spans_figure(layers, max_span, title=method), dpi=80)
         cells.append(f"<figure>{_image(png, f'spans of {method}')}</figure>")
     return ("<section id='fig-compare-spans'><h2>Final spans (Figure 4)</h2>"
             f"<div class='config'>{''.join(cells)}</div></section>")

@@ -10,8 +10,9 @@
 - ``score`` (``evaluate``, the bpc of ``compare``'s table and of ``demo``): fp32 with TF32 off,
   so that a reported bpc or log-probability does not depend on the hardware it was scored on;
   bf16 only when asked for.
-- ``generate`` (batch-1 decoding, bound by reading the weights): fp32 on the CPU, where it is
-  faster than bf16 (``docs/performance.md``), bf16 on a CUDA GPU with fast bf16.
+- ``generate`` (batch-1 decoding, a dozen small products per layer and token): fp32, TF32 on
+  CUDA; measured faster than bf16 on a CPU with AVX-512 BF16 (``docs/performance.md``), and
+  not measured on a GPU, where ``--dtype bfloat16`` is one flag away.
 
 Under bf16 autocast the parameters, the optimiser state, the softmax and the loss stay in fp32.
 ``ADASPAN_CPU_FAST_BF16=1`` (or ``0``) overrides the detection of fast bf16 on the CPU, in this
@@ -111,8 +112,6 @@ def choose(dtype: str, device: torch.device, job: str = "train") -> Precision:
     if job not in JOBS:
         raise ValueError(f"job must be one of {', '.join(JOBS)}, got {job!r}")
     if dtype == "auto":
-        fast = fast_bfloat16(device)
-        bf16 = fast if job == "train" else fast and job == "generate" and device.type == "cuda"
-        dtype = "bfloat16" if bf16 else "float32"
+        dtype = "bfloat16" if job == "train" and fast_bfloat16(device) else "float32"
     tf32 = device.type == "cuda" and dtype == "float32" and job != "score"
     return Precision(dtype, tf32, device)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from . import analysis
+from . import analysis, plots
 from .attention import adaptive_span_attention, fixed_span_attention
 from .checkpoint import RunDir, load_model
 from .config import ModelConfig, TrainConfig
@@ -150,7 +150,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, text: s
                  device: str | torch.device = "cpu") -> Path:
     """Write ``out_dir/report.json`` (default ``run_dir/report``), the numbers of the report,
     and ``out_dir/report.html``, the page drawn from them; return the page's path."""
-    analysis.require_plots()
+    plots.require_plots()
     run = RunDir(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run.report_dir
     model_config, train_config = run.load_config()
