@@ -79,3 +79,17 @@ def test_no_function_or_class_is_longer_than_a_reader_holds_in_the_head():
                 long.append(f"{path.name}: {kind} {node.name}, "
                             f"{node.end_lineno - node.lineno + 1} lines")
     assert long == []
+
+
+def test_no_module_compares_a_variant_s_name():
+    """What a variant is (its span type, its option checks) is asked of the registry, never
+    read from its name: no comparison involves an ``attention`` or ``persistent_span``."""
+    named = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(side, ast.Attribute)
+                       and side.attr in ("attention", "persistent_span") for side in sides):
+                    named.append(f"{path.name}:{node.lineno}")
+    assert named == []

@@ -654,11 +654,11 @@ def _convert_official(args: argparse.Namespace) -> int:
     (facebookresearch/adaptive-span, with or without persistent memory, no adaptive
     input/output) into an
     adaspan run directory with the same log-probabilities (see docs/official.md)."""
-    from .official import convert, describe
+    from .official import convert
 
-    config = convert(args.checkpoint, args.out_dir, args.data, args.ramp, args.dropout,
-                     args.span_loss_coef)
-    print(f"wrote {args.out_dir}: {describe(config)}")
+    model = convert(args.checkpoint, args.out_dir, args.data, args.ramp, args.dropout,
+                    args.span_loss_coef)
+    print(f"wrote {args.out_dir}: {model}")
     return 0
 
 

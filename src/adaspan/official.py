@@ -149,8 +149,8 @@ def convert_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Te
     weights = {ours: state[theirs] for ours, theirs in _MODEL_TENSORS.items()}
     # column c of key_pe is the embedding of distance S - c; adaspan's row d - 1 is distance d
     weights["pos"] = state["key_pe"][0].t().flip(0)
-    memory = config.attention == "persistent"
-    adaptive = (config.persistent_span if memory else config.attention) == "adaptive"
+    memory = f"layers.0.{_MEMORY}key" in state  # as infer_config read them
+    adaptive = f"layers.0.{_MASK}current_val" in state
     layer_tensors = {**_LAYER_TENSORS, **(_FEED_FORWARD_TENSORS if config.feed_forward else {}),
                      **(_MEMORY_TENSORS if memory else {})}
     for i in range(config.n_layers):
@@ -367,11 +367,12 @@ def convert(
     ramp: int = DEFAULT_RAMP,
     dropout: float = DEFAULT_DROPOUT,
     span_loss_coef: float = DEFAULT_SPAN_LOSS,
-) -> ModelConfig:
+) -> str:
     """Write the adaspan run ``out_dir`` (config, weights, ``vocab.json``) of the authors'
-    ``checkpoint`` trained on ``data_dir``; return the model's configuration."""
+    ``checkpoint`` trained on ``data_dir``; return one line describing its model."""
     state, step = read_checkpoint(checkpoint)
     config = infer_config(state, ramp, dropout, span_loss_coef)
+    memory = f"layers.0.{_MEMORY}key" in state
     weights = convert_state(state, config)
     _check_shapes(weights, config)
     data_dir = Path(data_dir).resolve()
@@ -385,7 +386,7 @@ def convert(
     run.create(config, TrainConfig(data=str(data_dir), block_size=BLOCK_SIZE, tensorboard=False),
                weights, step, {run.vocab_file: lambda p: p.write_text(json.dumps(vocab) + "\n",
                                                                       encoding="utf8")})
-    return config
+    return describe(config, memory)
 
 
 def _check_shapes(weights: dict[str, Tensor], config: ModelConfig) -> None:
@@ -399,10 +400,10 @@ def _check_shapes(weights: dict[str, Tensor], config: ModelConfig) -> None:
                 f"the model of its sizes needs {tuple(tensor.shape)}")
 
 
-def describe(config: ModelConfig) -> str:
-    """One line describing a converted model."""
+def describe(config: ModelConfig, memory: bool) -> str:
+    """One line describing a converted model (``memory``: with persistent vectors)."""
     attention = f"{config.attention} attention"
-    if config.attention == "persistent":
+    if memory:
         attention = (f"{config.persistent_span} span attention with {config.persistent_size} "
                      f"persistent vectors{'' if config.feed_forward else ', no feed-forward'}")
     return (f"{attention}, {config.n_layers} layers x {config.n_heads} heads, "
