@@ -3,7 +3,7 @@
 Usage:
     python scripts/against_official.py --official ../shared/anchors/bench_official.py \
         [--configs reference,fixed-1024,...] [--rounds 3] [--steps 8] [--out results.json] \
-        [--as-provided] [--device cuda]
+        [--as-provided] [--device cuda] [--dtype float32] [--baseline OLD/src]
 
 For each configuration, each round runs `adaspan bench` (``--statistic mean``) and the authors'
 benchmark script (same model, spans, batch and block; the mean of ``--steps`` steps after one
@@ -11,6 +11,9 @@ warm-up step, each in a fresh process; the authors' learning rate pinned so that
 stay put, see ``PINNED_SPANS``), one after the other; a configuration's figure is the
 median over the rounds of each side, and the ratio is adaspan / authors of those medians. Every
 round is printed too, with the machine's fp32 matmul rate measured by adaspan in that round.
+``--dtype`` is adaspan's (the authors' code runs fp32); ``--baseline`` runs the ``adaspan bench``
+of another source tree (e.g. a checkout of an earlier version's ``src``) in the same rounds,
+right after this one's, and adds its figures and the ratio of this one to it.
 Prints JSON lines (one per round, then one per configuration), then a Markdown table.
 """
 
@@ -49,12 +52,15 @@ def model_options(config: tuple) -> list[str]:
             f"max_span={span}", "ramp=32", "dropout=0", "vocab_size=256"]
 
 
-def adaspan(config: tuple, steps: int, device: str = "cpu") -> dict:
+def adaspan(config: tuple, steps: int, device: str = "cpu", dtype: str = "auto",
+            src: Path | None = None) -> dict:
+    """``adaspan bench`` of ``config``; of the package in ``src`` where given."""
     spans, block, batch = config[5:]
     cmd = [sys.executable, "-m", "adaspan.cli", "bench", *model_options(config), "--spans",
            spans, "--block-size", str(block), "--batch-size", str(batch), "--steps", str(steps),
-           "--statistic", "mean", "--gen-chars", "2", "--device", device, "--json"]
-    return _json(cmd)
+           "--statistic", "mean", "--gen-chars", "2", "--device", device, "--dtype", dtype,
+           "--json"]
+    return _json(cmd, {"PYTHONPATH": str(src.resolve())} if src else None)
 
 
 # Runs the authors' benchmark script with the learning rate of its Adagrad pinned to adaspan
@@ -93,24 +99,30 @@ def _json(cmd: list[str], env: dict | None = None) -> dict:
 
 
 def measure(name: str, official: Path, rounds: int, steps: int, as_provided: bool,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", dtype: str = "auto", baseline: Path | None = None) -> dict:
     """Alternating rounds of one configuration; medians and ratios."""
     config, rows = CONFIGS[name], []
     for round_ in range(rounds):
-        ours = adaspan(config, steps, device)
-        theirs = authors(official, config, steps, as_provided, device)
+        sides = {"adaspan": adaspan(config, steps, device, dtype)}
+        if baseline:
+            sides["baseline"] = adaspan(config, steps, device, dtype, baseline)
+        sides["authors"] = authors(official, config, steps, as_provided, device)
+        ours = sides["adaspan"]
         row = {"config": name, "round": round_ + 1, "matmul_gflops": ours["matmul_gflops"],
+               "dtype": ours.get("train_precision", ours.get("dtype")),
                **{f"{side}_{kind}": figures[f"{kind}_chars_per_s"]
-                  for side, figures in (("adaspan", ours), ("authors", theirs))
-                  for kind in ("train", "eval")},
+                  for side, figures in sides.items() for kind in ("train", "eval")},
                "adaspan_train_gflops": ours["train_gflops"]}
         rows.append(row)
         print(json.dumps(row), flush=True)
     medians = {key: statistics.median(r[key] for r in rows) for key in rows[0]
-               if key not in ("config", "round")}
-    summary = {"config": name, "rounds": rows, **medians,
-               "train_ratio": medians["adaspan_train"] / medians["authors_train"],
-               "eval_ratio": medians["adaspan_eval"] / medians["authors_eval"]}
+               if key not in ("config", "round", "dtype")}
+    summary = {"config": name, "dtype": rows[0]["dtype"], "rounds": rows, **medians,
+               **{f"{kind}_ratio": medians[f"adaspan_{kind}"] / medians[f"authors_{kind}"]
+                  for kind in ("train", "eval")}}
+    if baseline:
+        summary.update({f"{kind}_vs_baseline": medians[f"adaspan_{kind}"]
+                        / medians[f"baseline_{kind}"] for kind in ("train", "eval")})
     return summary
 
 
@@ -144,6 +156,11 @@ def main() -> None:
                         help="run the authors' script unchanged: its Adagrad (lr 0.07) moves "
                              "the spans during the timed steps (default: lr pinned to 1e-9)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="adaspan's products (the authors' code runs fp32)")
+    parser.add_argument("--baseline", type=Path, metavar="SRC",
+                        help="also time the adaspan package in SRC (e.g. an older version's "
+                             "src directory), in the same rounds")
     args = parser.parse_args()
     names = [name.strip() for name in args.configs.split(",") if name.strip()]
     unknown = [name for name in names if name not in CONFIGS]
@@ -151,7 +168,7 @@ def main() -> None:
         parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from "
                      f"{', '.join(CONFIGS)}")
     results = [measure(name, args.official, args.rounds, args.steps, args.as_provided,
-                       args.device) for name in names]
+                       args.device, args.dtype, args.baseline) for name in names]
     for result in results:
         print(json.dumps({k: v for k, v in result.items() if k != "rounds"}))
     if args.out:
