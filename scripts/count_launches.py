@@ -1,4 +1,5 @@
-"""Kernel launches of one training step and one evaluation block, counted on the CPU.
+"""Kernel launches of one training step, one evaluation block and one generated token, counted
+on the CPU.
 
     python scripts/count_launches.py [--kernel fused|grouped] [--layers 12 --d 512 --heads 8
         --span 8192 --block 512 --spans 32,32,48,...] [--run]
@@ -7,7 +8,10 @@ On a GPU nearly every ATen operator is one kernel launch, views excepted (they l
 so the count bounds a step's host time from below (~5-10 us a launch) whatever its FLOPs. A
 training step is the forward and backward pass of the mean log-probability plus the span
 penalty (no optimiser step), with hidden states cached; an evaluation block a forward pass
-under ``no_grad`` with a key/value cache; each counted after one warm-up call. The count is
+under ``no_grad`` with a key/value cache; a generated token one step of each decoder of
+:mod:`adaspan.decode` (``decode``: the CPU's :class:`Decoder`; ``static_decode``: the
+:class:`StaticDecoder` that CUDA captures in a graph, its token's write included) after a
+prompt of 16 tokens; each counted after one warm-up call. The count is
 that of the ATen operators (views excluded) plus each launch of a Triton kernel of
 :mod:`adaspan.fused`; those are not run (their outputs are left unset) unless ``--run``
 (Triton's interpreter on the CPU: slow). ``--kernel`` picks the path of every layer
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 from collections.abc import Callable
 
@@ -28,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaspan import ModelConfig, SpanLM, fused
 from adaspan.attention import use_kernel
+from adaspan.decode import Decoder, StaticDecoder
 
 # ATen operators that only make views: no kernel on a GPU
 VIEWS = {"detach", "view", "_unsafe_view", "alias", "t", "expand", "unsqueeze", "squeeze",
@@ -70,18 +76,25 @@ class LaunchCounter(TorchDispatchMode):
         self._launches.__exit__(*exc)
 
 
-def build(layers: int, d: int, heads: int, span: int, spans: list[int], block: int,
-          batch: int, kernel: str) -> tuple[Callable[[], None], Callable[[], None]]:
-    """A training step and an evaluation block of ``SpanLM`` at this shape, its heads given
-    ``spans`` in turn (R 32, no dropout, feed-forward 4 d), every layer on ``kernel``."""
+def model_of(layers: int, d: int, heads: int, span: int, spans: list[int]) -> SpanLM:
+    """``SpanLM`` at this shape, its heads given ``spans`` in turn (R 32, no dropout,
+    feed-forward 4 d), seeded."""
     torch.manual_seed(0)
     config = ModelConfig(d_model=d, n_heads=heads, n_layers=layers, d_inner=4 * d,
                          max_span=span, attention="adaptive", dropout=0.0)
     model = SpanLM(config)
     model.set_spans([[spans[(i * heads + h) % len(spans)] for h in range(heads)]
                      for i in range(layers)])
+    return model
+
+
+def build(layers: int, d: int, heads: int, span: int, spans: list[int], block: int,
+          batch: int, kernel: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A training step and an evaluation block of :func:`model_of`'s model, every layer on
+    ``kernel``."""
+    model = model_of(layers, d, heads, span, spans)
     use_kernel(model, kernel)
-    tokens = torch.randint(0, config.vocab_size, (batch, block))
+    tokens = torch.randint(0, model.config.vocab_size, (batch, block))
 
     def train() -> None:
         log_probs, _ = model(tokens, model.empty_cache(batch))
@@ -92,6 +105,16 @@ def build(layers: int, d: int, heads: int, span: int, spans: list[int], block: i
             model(tokens, model.empty_cache(batch, keys_values=True))
 
     return train, evaluate
+
+
+@torch.no_grad()
+def decode_steps(model: SpanLM) -> dict[str, Callable[[], None]]:
+    """A generated token of each decoder, by name, after a prompt of 16 tokens (eval mode)."""
+    model.eval()
+    _, cache = model(torch.arange(16)[None], model.empty_cache(1, keys_values=True))
+    steps = {"decode": Decoder(model, cache, 16).step,
+             "static_decode": StaticDecoder(model, cache, 16)}
+    return {name: torch.no_grad()(functools.partial(step, 1)) for name, step in steps.items()}
 
 
 def count(step: Callable[[], None], run: bool = False) -> LaunchCounter:
@@ -117,14 +140,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     spans = [int(s) for s in args.spans.split(",")]
-    train, evaluate = build(args.layers, args.d, args.heads, args.span, spans, args.block,
-                            args.batch, args.kernel)
+    shape = args.layers, args.d, args.heads, args.span, spans
+    train, evaluate = build(*shape, args.block, args.batch, args.kernel)
     result = {"shape": vars(args)}
     for name, step in (("train", train), ("eval", evaluate)):
         counter = count(step, args.run)
         result[f"{name}_launches"] = counter.total
         result[f"{name}_top"] = counter.ops.most_common(10)
         result[f"{name}_slice_backward"] = counter.ops["aten.slice_backward"]
+    for name, step in decode_steps(model_of(*shape)).items():
+        result[f"{name}_launches"] = count(step).total
     print(json.dumps(result))
 
 

@@ -2,7 +2,8 @@
 every variant on CUDA equals the CPU in fp32 and stays close in bf16, the band kernel equals
 its naive reference there, steady evaluation blocks make no host-device synchronisation
 (``torch.cuda.set_sync_debug_mode("error")``) and a training step at most one (the spans),
-and the memory estimate holds against ``torch.cuda.max_memory_allocated``."""
+generation's static step replayed from a CUDA graph equals the same step run eagerly and waits
+for nothing, and the memory estimate holds against ``torch.cuda.max_memory_allocated``."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import span_attention, tiny
+from helpers import span_attention, span_variants, tiny
 from reference import reference_attention
 
 from adaspan.cache import StreamCache
 from adaspan.config import ModelConfig, TrainConfig
+from adaspan.decode import GraphStep, StaticDecoder, decoder
 from adaspan.memory import estimate_training_memory
 from adaspan.model import SpanLM
 from adaspan.optim import build_optimizer, build_scheduler
@@ -60,6 +62,40 @@ def test_steady_evaluation_blocks_never_wait_for_the_gpu():
                 _, cache = model(block, cache)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", span_variants())
+def test_generation_replays_the_static_step_from_a_cuda_graph(name, dtype):
+    """``decoder`` on CUDA captures the static step once (after one eager warm-up token) and
+    replays it per token: the same log-probabilities as the step run eagerly and close to the
+    host-position decoder's (bf16: autocast's fp32 layer norms kept out of the steps), the
+    ring wrapping (W <= S = 64), and no host-device synchronisation but the token's write."""
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        pytest.skip("no bf16 on this GPU")
+    model = tiny(name, vocab_size=256).to(CUDA)
+    tokens = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cuda", dtype, enabled=dtype == torch.bfloat16):
+        _, cache = model(tokens[:, :10].to(CUDA), model.empty_cache(1, keys_values=True))
+        graphed, eager = decoder(model, cache, 10), StaticDecoder(model, cache, 10)
+        host = decoder(model, cache, 10, static=False)
+        assert isinstance(graphed, GraphStep)
+        replayed, expected, hosted = [], [], []
+        for i, token in enumerate(tokens[0, 10:].tolist()):
+            torch.cuda.set_sync_debug_mode("error" if i > 0 else "default")
+            try:
+                replayed.append(graphed(token).clone())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            expected.append(eager(token).clone())
+            hosted.append(host(token).clone())
+    assert graphed.graph is not None  # captured, not fallen back to eager
+    assert replayed[0].dtype == torch.float32
+    fp32 = dtype == torch.float32  # bf16: the products' order may differ
+    torch.testing.assert_close(torch.stack(replayed), torch.stack(expected),
+                               atol=1e-5 if fp32 else 5e-2, rtol=0)
+    torch.testing.assert_close(torch.stack(hosted), torch.stack(expected),
+                               atol=1e-4 if fp32 else 0.1, rtol=0)
 
 
 def test_a_steady_training_step_waits_at_most_once():

@@ -1,6 +1,8 @@
-"""Generation's per-token step (adaspan.decode): the batch-1 decoder of span attention gives the
-model's own log-probabilities, the same bytes as the model's forward, one host-device
-synchronisation per token; the other variants decode through the model's forward."""
+"""Generation's per-token step (adaspan.decode): the batch-1 decoders of span attention (the
+host-counted one and the static one) give the model's own log-probabilities, the same bytes as
+the model's forward, one host-device synchronisation per token; the static step keeps its
+buffers and shapes and synchronises nothing (capturable in a CUDA graph); the other variants
+decode through the model's forward."""
 
 from __future__ import annotations
 
@@ -8,17 +10,19 @@ import pytest
 import torch
 from helpers import baseline_variants, span_variants, tiny
 from syncs import SyncCounter
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaspan.decode import Decoder, decoder
+from adaspan.decode import Decoder, StaticDecoder, decoder
 from adaspan.generate import generate, stream
 
 
-def _decoded(model, tokens: torch.Tensor, prompt: int, fast: bool = True) -> torch.Tensor:
+def _decoded(model, tokens: torch.Tensor, prompt: int, fast: bool = True,
+             static: bool = False) -> torch.Tensor:
     """Log-probabilities (T - prompt, V) after each token from ``prompt`` on: the prompt read
     by the model's forward, then one :func:`decoder` step per token."""
     with torch.no_grad():
         _, cache = model(tokens[:, :prompt], model.empty_cache(1, keys_values=True))
-        step = decoder(model, cache, prompt, fast=fast)
+        step = decoder(model, cache, prompt, fast=fast, static=static)
         return torch.stack([step(int(token)).clone() for token in tokens[0, prompt:]])
 
 
@@ -27,19 +31,70 @@ def _tokens(model, length: int) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["host-position", "static"])
 @pytest.mark.parametrize("prompt", [3, 70])  # before and after the ring (S = 64) wraps
 @pytest.mark.parametrize("changes", [{}, {"position_table": "layer"}, {"truncation": "none"},
                                      {"span_per": "layer"}],
                          ids=["", "layer-positions", "no-truncation", "one-span-per-layer"])
 @pytest.mark.parametrize("name", span_variants())
-def test_decoder_gives_the_log_probabilities_of_one_forward_pass(name, changes, prompt):
+def test_decoder_gives_the_log_probabilities_of_one_forward_pass(name, changes, prompt, static):
     model = tiny(name, **changes)
     tokens = _tokens(model, prompt + 150)
     assert Decoder.handles(model)
     with torch.no_grad():
         expected, _ = model(tokens, model.empty_cache(1, keys_values=True))
-    torch.testing.assert_close(_decoded(model, tokens, prompt), expected[0, prompt:],
-                               atol=2e-5, rtol=0)
+    torch.testing.assert_close(_decoded(model, tokens, prompt, static=static),
+                               expected[0, prompt:], atol=2e-5, rtol=0)
+
+
+class _Trace(TorchDispatchMode):
+    """Every operator dispatched, with its arguments' shapes, dtypes and strides (tensors) or
+    values (anything else): what a CUDA graph bakes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append((str(func), *map(self._describe, [*args, *kwargs.values()])))
+        return func(*args, **kwargs)
+
+    def _describe(self, arg):
+        if isinstance(arg, torch.Tensor):
+            return tuple(arg.shape), arg.dtype, arg.stride()
+        if isinstance(arg, list | tuple):
+            return tuple(map(self._describe, arg))
+        return arg
+
+
+def _addresses(step: StaticDecoder) -> dict[str, int]:
+    """The data addresses of the static decoder's tensors and of its layers'."""
+    owners = {"decoder": step, **{f"layer {i}": layer for i, layer in enumerate(step.layers)}}
+    return {f"{owner}.{name}": value.data_ptr() for owner, obj in owners.items()
+            for name, value in vars(obj).items() if isinstance(value, torch.Tensor)}
+
+
+@pytest.mark.parametrize("name", span_variants())
+def test_the_static_step_keeps_its_buffers_and_shapes_and_never_synchronises(name):
+    """What a CUDA graph's capture needs: each step reads the token from the same device
+    tensor and writes the same output buffer, every operator sees the same shapes and
+    arguments (no position baked in), and nothing is read from or built on the host."""
+    model = tiny(name, vocab_size=256)
+    tokens = _tokens(model, 80)[0]
+    with torch.no_grad():
+        _, cache = model(tokens[None, :5], model.empty_cache(1, keys_values=True))
+        step = StaticDecoder(model, cache, 5)
+        addresses, traces, outputs = _addresses(step), [], []
+        for token in tokens[5:]:  # past the ring's wrap (W <= S = 64)
+            step.token.copy_(token)
+            with SyncCounter() as syncs, _Trace() as trace:
+                outputs.append(step.step())
+            assert syncs.count == 0, syncs.report()
+            traces.append(trace.ops)
+    assert _addresses(step) == addresses
+    assert {out.data_ptr() for out in outputs} == {step.log_probs_row.data_ptr()}
+    assert all(ops == traces[0] for ops in traces)
 
 
 @pytest.mark.parametrize("name", baseline_variants())
@@ -105,12 +160,13 @@ def test_one_synchronisation_per_generated_token(name, temperature):
     assert syncs.count <= len(rest), syncs.report()
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["host-position", "static"])
 @pytest.mark.parametrize("name", span_variants())
-def test_decoder_under_bfloat16_autocast_is_close_to_the_model_forward(name):
+def test_decoder_under_bfloat16_autocast_is_close_to_the_model_forward(name, static):
     model = tiny(name, vocab_size=256)
     tokens = _tokens(model, 100)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        decoded = _decoded(model, tokens, 10)
+        decoded = _decoded(model, tokens, 10, static=static)
         reference = _decoded(model, tokens, 10, fast=False)
         text = generate(model, b"ab", 20, temperature=0.8,
                         generator=torch.Generator().manual_seed(0))

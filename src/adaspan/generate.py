@@ -1,8 +1,10 @@
 """Sampling text from a trained model, one character at a time with the cache carried.
 
 The prompt is read by the model's forward; each new character by the per-token step of
-:func:`adaspan.decode.decoder` (the batch-1 :class:`adaspan.decode.Decoder` for span attention),
-with one host-device synchronisation per character: reading the sampled byte."""
+:func:`adaspan.decode.decoder` (for span attention, the batch-1 :class:`adaspan.decode.Decoder`
+on the CPU; on CUDA the :class:`adaspan.decode.StaticDecoder`, captured once in a CUDA graph
+and replayed per character), with one host-device synchronisation per character: reading the
+sampled byte."""
 
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ def stream(
     """Yield ``length`` tokens continuing ``prompt``, each as soon as it is sampled.
 
     The prompt is read as one block; then each new byte is one step of
-    :func:`adaspan.decode.decoder`, its query attending to the cached keys and values, so the
-    cost per byte follows the heads' spans. ``temperature``
+    :func:`adaspan.decode.decoder` (on CUDA, a CUDA graph's replay), its query attending to
+    the cached keys and values, so the cost per byte follows the heads' spans. ``temperature``
     scales the logits (0 = greedy); ``top_k`` keeps only the k most likely bytes. Arguments are
     checked at the call; the model is in eval mode until the iterator is exhausted or closed.
     """
