@@ -13,7 +13,7 @@ median over the rounds of each side, and the ratio is adaspan / authors of those
 round is printed too, with the machine's fp32 matmul rate measured by adaspan in that round.
 ``--dtype`` is adaspan's (the authors' code runs fp32); ``--baseline`` runs the ``adaspan bench``
 of another source tree (e.g. a checkout of an earlier version's ``src``) in the same rounds,
-right after this one's, and adds its figures and the ratio of this one to it.
+before or after this one's in turn, and adds its figures and the ratio of this one to it.
 Prints JSON lines (one per round, then one per configuration), then a Markdown table.
 """
 
@@ -103,9 +103,11 @@ def measure(name: str, official: Path, rounds: int, steps: int, as_provided: boo
     """Alternating rounds of one configuration; medians and ratios."""
     config, rows = CONFIGS[name], []
     for round_ in range(rounds):
-        sides = {"adaspan": adaspan(config, steps, device, dtype)}
-        if baseline:
-            sides["baseline"] = adaspan(config, steps, device, dtype, baseline)
+        order = ["adaspan", "baseline"] if baseline else ["adaspan"]
+        if round_ % 2:  # every other round the baseline first: no side always runs first
+            order.reverse()
+        sides = {side: adaspan(config, steps, device, dtype, baseline if side == "baseline"
+                               else None) for side in order}
         sides["authors"] = authors(official, config, steps, as_provided, device)
         ours = sides["adaspan"]
         row = {"config": name, "round": round_ + 1, "matmul_gflops": ours["matmul_gflops"],
