@@ -189,16 +189,20 @@ def test_bpc_by_distance_reads_each_target_of_each_stream():
     assert sum(g["chars"] for g in groups) == len(targets)
 
 
-def test_learned_spans_grow_to_a_distance_on_their_ramp(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_learned_spans_grow_to_a_distance_on_their_ramp(tmp_path, dtype):
     """The documented recipe: spans get gradient only from keys on their ramp, so with a ramp
-    that reaches the distance from the start (R = 32 > 24, z = 0) they grow past it and the
-    copies are learned."""
+    that reaches the distance from the start (R = 32 > 24, z = 0) they grow to it and the
+    copies are learned, in fp32 as under bf16 autocast. Once z passes 24 the copies sit off
+    the ramp and give z no more gradient, so z settles about there (its last digits differ
+    between runs of other thread counts or kernels); at z >= 18 the mask at distance 24 is
+    (R + z - 24) / R >= 0.81."""
     model = ModelConfig(n_layers=1, d_model=32, n_heads=2, d_inner=64, max_span=128, ramp=32,
                         attention="adaptive", dropout=0.0)
     config = TrainConfig(data=TASK, steps=500, batch_size=16, block_size=64, lr=1e-2,
                          optimizer="adamw", warmup=20, clip=1.0, clip_mode="global",
                          eval_interval=500, eval_chars=4096, checkpoint_interval=500,
-                         log_interval=500, tensorboard=False, device="cpu")
+                         log_interval=500, tensorboard=False, device="cpu", dtype=dtype)
     summary = train(model, config, tmp_path, progress=False, log=lambda line: None)
-    assert max(summary["spans"][0]) > model.ramp + DISTANCE  # z + R from 32: z grew past 24
+    assert max(summary["spans"][0]) >= model.ramp + 0.75 * DISTANCE  # z + R, from 32
     assert _bits(tmp_path, long_range=True) < 0.5 * math.log2(26)
