@@ -89,6 +89,11 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], int]:
     return state, int(step) if isinstance(step, int) else 0
 
 
+def _has_memory(state: dict[str, Tensor]) -> bool:
+    """Whether the authors' model ``state`` has persistent memory (their all-attention layers)."""
+    return f"layers.0.{_MEMORY}key" in state
+
+
 def infer_config(
     state: dict[str, Tensor],
     ramp: int = DEFAULT_RAMP,
@@ -98,7 +103,7 @@ def infer_config(
     """adaspan's configuration of the authors' model ``state``, its sizes read from the shapes;
     ``ramp`` (R) is not stored in their checkpoints."""
     _refuse_unsupported(state)
-    memory = f"layers.0.{_MEMORY}key" in state
+    memory = _has_memory(state)
     feed_forward = f"layers.0.{_FEED_FORWARD}" in state
     required = [*_MODEL_TENSORS.values(), "key_pe"]
     if not memory:  # their layers with persistent memory have no feed-forward
@@ -149,7 +154,7 @@ def convert_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Te
     weights = {ours: state[theirs] for ours, theirs in _MODEL_TENSORS.items()}
     # column c of key_pe is the embedding of distance S - c; adaspan's row d - 1 is distance d
     weights["pos"] = state["key_pe"][0].t().flip(0)
-    memory = f"layers.0.{_MEMORY}key" in state  # as infer_config read them
+    memory = _has_memory(state)
     adaptive = f"layers.0.{_MASK}current_val" in state
     layer_tensors = {**_LAYER_TENSORS, **(_FEED_FORWARD_TENSORS if config.feed_forward else {}),
                      **(_MEMORY_TENSORS if memory else {})}
@@ -372,7 +377,7 @@ def convert(
     ``checkpoint`` trained on ``data_dir``; return one line describing its model."""
     state, step = read_checkpoint(checkpoint)
     config = infer_config(state, ramp, dropout, span_loss_coef)
-    memory = f"layers.0.{_MEMORY}key" in state
+    memory = _has_memory(state)
     weights = convert_state(state, config)
     _check_shapes(weights, config)
     data_dir = Path(data_dir).resolve()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .analysis import span_summary
 from .metrics import MetricsLog
 
 
@@ -61,11 +62,11 @@ class Recorder:
         seconds = time.monotonic() - self.window.start
         steps = self.window.steps
         self.trained = (self.trained[0] + steps, self.trained[1] + seconds)
-        heads = [s for layer in spans for s in layer]
+        summary = span_summary(spans)
         record = {"step": step, "train_bpc": train_bpc, "valid_bpc": valid_bpc,
                   "lr": self.last["lr"], "chars_per_s": steps * self.chars_per_step / seconds,
-                  "avg_span": sum(heads) / len(heads), "max_span": max(heads),
-                  "layer_avg_span": [sum(layer) / len(layer) for layer in spans],
+                  "avg_span": summary["avg_span"], "max_span": summary["max_span"],
+                  "layer_avg_span": summary["layer_avg"],
                   "layer_max_span": [max(layer) for layer in spans],
                   "head_spans": [[round(s, 1) for s in layer] for layer in spans], **more}
         if self.metrics is not None:
@@ -79,12 +80,12 @@ class Recorder:
         """What a training call returns: its last ``step``, last bpc, characters per second
         over its records, the ``spans`` (average, longest, all), why it ``stopped``, then
         ``more``."""
-        heads = [s for layer in spans for s in layer]
+        summary = span_summary(spans)
         steps, seconds = self.trained
         return {"steps": step, "train_bpc": self.last["train_bpc"],
                 "valid_bpc": self.last["valid_bpc"],
                 "chars_per_s": steps * self.chars_per_step / seconds if seconds else None,
-                "avg_span": sum(heads) / len(heads), "max_span": max(heads), "spans": spans,
+                "avg_span": summary["avg_span"], "max_span": summary["max_span"], "spans": spans,
                 "stopped": stopped, **more}
 
     @staticmethod

@@ -57,6 +57,7 @@ def train_step(
     cache: StreamCache,
     config: TrainConfig,
     net: torch.nn.Module | None = None,
+    precision: Precision | None = None,
 ) -> tuple[Tensor, StreamCache]:
     """One optimiser step on the block ``x`` -> ``y``; returns the mean NLL (nats, a 0-dim
     tensor on the device: reading it waits for the step) and the new cache.
@@ -64,12 +65,12 @@ def train_step(
     The streams are processed in ``config.batch_split`` slices, each with its own cache rows;
     each slice's loss is divided by the number of slices, so the accumulated gradient is the
     gradient of the whole batch. ``net`` is ``model`` wrapped for distributed training.
-    The products run in the training precision of ``config.dtype``
+    The products run in ``precision``, by default the training precision of ``config.dtype``
     (:func:`adaspan.precision.choose`). Nothing here waits for the device but reading the
     spans once, when they changed.
     """
     net = net if net is not None else model
-    precision = choose(config.dtype, x.device, "train")
+    precision = precision or choose(config.dtype, x.device, "train")
     slices = config.batch_split
     rows = x.shape[0] // slices
     optimizer.zero_grad(set_to_none=True)
@@ -302,7 +303,7 @@ class _Loop:
         x, y = torch.stack(self.stream.block(state.position))[:, self.rows].to(run.device)
         lr = run.optimizer.param_groups[0]["lr"]
         nll, state.cache = train_step(self.model, run.optimizer, run.scheduler, x, y,
-                                      state.cache, self.config, run.net)
+                                      state.cache, self.config, run.net, run.precision)
         self.recorder.add(nll, lr)
         state.step += 1
         state.position += 1
