@@ -12,19 +12,21 @@ PACKAGE = Path(adaspan.__file__).parent
 
 # Layer of every module, lowest first (the table of docs/architecture.md).
 LAYERS = {
-    "_version": 0, "errors": 0, "span": 0, "presets": 0, "_fused_kernels": 0, "analysis": 0,
-    "registry": 1, "fused": 1, "files": 1, "cache": 1, "download": 1, "distributed": 1,
-    "precision": 1, "synthetic": 1, "plots": 1, "tables": 1,
-    "config": 2, "data": 2, "band": 2, "metrics": 2,
-    "attention": 3, "page": 3, "resolve": 3, "recorder": 3, "watch": 3,
-    "baselines": 4, "expire": 4, "persistent": 4,
-    "model": 5,
-    "checkpoint": 6, "decode": 6, "evaluate": 6, "optim": 6, "memory": 6,
-    "bench": 7, "generate": 7, "official": 7,
-    "train": 8,
-    "report": 9, "demo": 9,
-    "compare": 10,
-    "cli": 11, "__init__": 11,
+    "_version": 0, "errors": 0, "_fused_kernels": 0, "span": 0, "presets": 0, "analysis": 0,
+    "cache": 0, "precision": 0, "adaptive_io": 0,
+    "fused": 1, "registry": 1, "files": 1, "download": 1, "synthetic": 1, "distributed": 1,
+    "plots": 1, "tables": 1, "band": 1,
+    "data": 2, "metrics": 2, "tokenizer": 2,
+    "config": 3, "recorder": 3,
+    "attention": 4, "page": 4, "resolve": 4, "watch": 4,
+    "baselines": 5, "expire": 5, "persistent": 5,
+    "model": 6,
+    "checkpoint": 7, "decode": 7, "evaluate": 7, "optim": 7, "memory": 7,
+    "generate": 8, "bench": 8, "official": 8,
+    "tokens": 9,
+    "train": 10, "report": 10,
+    "demo": 11, "compare": 11,
+    "cli": 12, "__init__": 12,
 }
 
 

@@ -124,7 +124,9 @@ def saved_run(tmp_path) -> tuple[Path, SpanLM, TrainConfig, StreamCache]:
 def test_resume_refuses_another_value_of_an_option_it_must_keep(saved_run, name):
     run_dir, _, config, _ = saved_run
     assert opened(run_dir, config) is None
-    changed = dataclasses.replace(config, **{name: another_value(config, name)})
+    changes = ({"tokenizer": "bpe", name: "/elsewhere/tokenizer.json"}  # for one that learns
+               if name == "tokenizer_file" else {name: another_value(config, name)})
+    changed = dataclasses.replace(config, **changes)
     with pytest.raises(RunDirError, match=rf"cannot resume .*train\.{name}="):
         opened(run_dir, changed)
 

@@ -131,7 +131,8 @@ def test_train_config_round_trips_through_a_dict():
 
 def test_a_resumed_run_keeps_the_options_of_its_data_stream_and_optimiser():
     assert sorted(TrainConfig.fixed_on_resume()) == sorted(
-        ["data", "batch_size", "block_size", "optimizer", "lr", "warmup", "weight_decay"])
+        ["data", "tokenizer", "tokenizer_file", "batch_size", "block_size", "optimizer", "lr",
+         "warmup", "weight_decay"])
 
 
 # --- both ---------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from adaspan.cli import main
 from adaspan.config import ModelConfig, TrainConfig
 from adaspan.data import load_corpus
 from adaspan.model import SpanLM
-from adaspan.official import OfficialFormatError, run_codec, run_split
+from adaspan.official import OfficialFormatError
+from adaspan.tokens import run_codec, run_split
 
 S, R, D, HEADS, LAYERS, INNER = 80, 8, 16, 4, 2, 24
 # current_val per layer and head: spans differ per head; in layer 1 every span is short, so
@@ -267,12 +268,13 @@ def test_generate_maps_byte_symbols(adaptive_run, capsys):
     assert set(out[4:-1].encode()) <= set(ALPHABET + b"e")
 
 
-def test_generate_refuses_a_vocabulary_that_is_not_bytes(adaptive_run, tmp_path, vocab, capsys):
+def test_generate_refuses_a_vocabulary_neither_of_bytes_nor_of_words(adaptive_run, tmp_path,
+                                                                     vocab, capsys):
     run = tmp_path / "copy"
     shutil.copytree(adaptive_run[0], run)
     (run / "vocab.json").write_text(json.dumps(["_", *vocab[1:]]))
     assert main(["generate", str(run), "--length", "5", "--device", "cpu"]) != 0
-    assert "'_'" in one_line_error(capsys)
+    assert "vocab.json: a words vocabulary needs" in one_line_error(capsys)  # no <unk>
 
 
 def test_unsupported_checkpoints(tmp_path, data_dir, vocab, capsys):
@@ -280,8 +282,8 @@ def test_unsupported_checkpoints(tmp_path, data_dir, vocab, capsys):
     path = save_authors_checkpoint(tmp_path / "c.pt", {**authors_state(len(vocab)), **extra})
     assert main(["convert-official", str(path), str(tmp_path / "run"), "--data",
                  str(data_dir)]) != 0
-    line = one_line_error(capsys)
-    assert "adaptive input/output" in line and "not support" in line
+    line = one_line_error(capsys)  # adaptive input/output tensors next to plain ones
+    assert "both in_emb.weight and adaptive input/output" in line
     assert not (tmp_path / "run").exists()
 
 
@@ -409,23 +411,120 @@ def test_token_logprobs_of_an_ordinary_run(batch_size, byte_run, tmp_path):
 def test_run_split_reads_the_format_of_the_run(adaptive_run, byte_run, data_dir, texts, vocab,
                                                tmp_path):
     converted, _ = adaptive_run
-    tokens, name, unit = run_split(converted, "test")
+    tokens, name, unit, ends = run_split(converted, "test")
     assert tokens.tolist() == [vocab.index(s) for s in symbols_of(texts["test"])]
-    assert (name, unit) == (f"{data_dir.resolve()} (authors' format)", "symbol")
+    assert (name, unit, ends) == (f"{data_dir.resolve()} (authors' format)", "symbol", None)
     other = write_data(tmp_path / "other", texts["train"], texts["valid"], b"ab")
     assert run_split(converted, "test", data=other).tokens.tolist() == [
         vocab.index(s) for s in symbols_of(b"ab")]
     run, _, valid = byte_run
-    tokens, name, unit = run_split(run, "valid", progress=False)
-    assert np.array_equal(tokens, valid) and (name, unit) == ("text.txt", "character")
+    tokens, name, unit, ends = run_split(run, "valid", progress=False)
+    assert np.array_equal(tokens, valid) and (name, unit, ends) == ("text.txt", "character", None)
 
 
 def test_run_codec_maps_bytes_to_the_tokens_of_the_run_and_back(adaptive_run, byte_run, vocab):
     codec = run_codec(adaptive_run[0])
-    ids = codec.encode(b"ab\nc")
+    ids = codec.encode(b"ab\nc").ids
     assert list(ids) == [vocab.index(s) for s in ("97", "98", "<eos>", "99")]
-    assert bytes(codec.decode(iter(ids))) == b"ab\nc"
-    with pytest.raises(OfficialFormatError, match=r"the prompt has bytes .*\[122\]"):
-        codec.encode(b"az", "prompt")
+    assert b"".join(codec.pieces(iter(ids))) == b"ab\nc"
+    with pytest.raises(OfficialFormatError, match=r"the text has bytes .*\[122\]"):
+        codec.encode(b"az")
     plain = run_codec(byte_run[0])  # an ordinary run: its tokens are the bytes
-    assert plain.encode(b"z\xff") == b"z\xff" and bytes(plain.decode([0, 255])) == b"\x00\xff"
+    assert bytes(plain.encode(b"z\xff").ids) == b"z\xff"
+    assert b"".join(plain.pieces([0, 255])) == b"\x00\xff"
+
+
+# ------------------------------------------------ adaptive input/output: their code's own output
+
+ADAPTIVE_IO = Path(__file__).parent / "fixtures" / "adaptive_io"
+
+
+def word_symbols(text: str) -> list[str]:
+    """The symbols their reader gets from a file of words: each line's words, then <eos>."""
+    return [symbol for line in text.split("\n") for symbol in [*line.split(), "<eos>"]]
+
+
+@pytest.fixture(scope="module")
+def adaptive_io_case(tmp_path_factory):
+    """The fixture of scripts/make_adaptive_io_fixture.py (their model code run once): its
+    description and the word-level data directory written from its texts."""
+    case = json.loads((ADAPTIVE_IO / "cases.json").read_text())
+    data = tmp_path_factory.mktemp("adaptive_io") / "data"
+    data.mkdir()
+    for split, text in case["texts"].items():
+        (data / f"{split}.txt").write_text(text)
+    return case, data
+
+
+@pytest.mark.parametrize("name", ["tied", "untied"])
+def test_adaptive_io_checkpoint_matches_the_authors_code(name, adaptive_io_case, tmp_path,
+                                                         capsys):
+    case, data = adaptive_io_case
+    order: dict[str, None] = {}  # their dictionary: first appearance over train, valid, test
+    for split in ("train", "valid", "test"):
+        order.update(dict.fromkeys(word_symbols(case["texts"][split])))
+    assert case["tokens"] == [list(order).index(s)
+                              for s in word_symbols(case["texts"][case["split"]])]
+    assert case["ramp"] == R
+    tied, adaptive = case["cases"][name]["tied"], case["cases"][name]["adaptive"]
+    run = convert(tmp_path, load_file(ADAPTIVE_IO / f"{name}.safetensors"), data)
+    assert capsys.readouterr().out.strip().endswith(
+        f"vocabulary of {len(order)} symbols, adaptive input/output (cutoffs 6,12, div_val 2, "
+        f"{name})")
+    model = load_model(run)
+    config = model.config
+    assert (config.adaptive_io, config.cutoff_ids, config.div_val, config.tie_io,
+            config.attention, config.vocab_size, config.d_inner) == (
+        True, tuple(case["cutoffs"]), case["div_val"], tied,
+        "adaptive" if adaptive else "fixed", len(order), case["d_inner"])
+    assert ("out.weights.0" in model.state_dict()) is not tied
+    if adaptive:
+        span = case["max_span"]
+        want = [[min(span, c * span + 1 + R) for c in layer] for layer in case["current_val"]]
+        np.testing.assert_allclose(model.spans(), want, atol=1e-4)
+    got, _ = scored(run, data, tmp_path, "--split", case["split"])
+    np.testing.assert_allclose(got, np.load(ADAPTIVE_IO / f"{name}.npy"), rtol=0, atol=1e-4)
+
+
+def _drop(state: dict, name: str) -> dict:
+    del state[name]
+    return state
+
+
+ADAPTIVE_IO_DEFECTS = {  # case, change of its state dict, what the error names
+    "tail tensor removed": ("tied", lambda s: _drop(s, "out_emb.out_layers.2.bias"),
+                            "lacks out_emb.out_layers.2.bias"),
+    "untied shape": ("untied", lambda s: {**s, "out_emb.out_layers.1.weight": torch.zeros(6, 5)},
+                     "out_emb.out_layers.1.weight has shape (6, 5), expected (6, 8)"),
+    "div_val": ("tied", lambda s: {**s, "in_emb.emb_layers.2.weight": torch.zeros(12, 3)},
+                "embedding sizes [16, 8, 3]"),
+    "cluster gap": ("untied", lambda s: {**s, "out_emb.out_projs.4": torch.zeros(16, 1)},
+                    "clusters [0, 1, 2, 4]"),
+    "unexpected tensor": ("untied", lambda s: {**s, "out_emb.shortlist": torch.zeros(3)},
+                          "cannot map: out_emb.shortlist"),
+    "plain and adaptive": ("tied", lambda s: {**s, "in_emb.weight": torch.zeros(24, 16)},
+                           "both in_emb.weight and adaptive input/output"),
+}
+
+
+@pytest.mark.parametrize("defect", ADAPTIVE_IO_DEFECTS)
+def test_adaptive_io_refuses_inconsistent_checkpoints(defect, adaptive_io_case, tmp_path,
+                                                      capsys):
+    name, change, message = ADAPTIVE_IO_DEFECTS[defect]
+    state = change(load_file(ADAPTIVE_IO / f"{name}.safetensors"))
+    path = save_authors_checkpoint(tmp_path / "c.pt", state)
+    assert main(["convert-official", str(path), str(tmp_path / "run"), "--data",
+                 str(adaptive_io_case[1])]) != 0
+    assert message in one_line_error(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_adaptive_io_untied_when_one_output_tensor_differs(adaptive_io_case, tmp_path):
+    """Equal values under both names are their tie; one differing tensor makes it untied."""
+    state = load_file(ADAPTIVE_IO / "tied.safetensors")
+    state["out_emb.out_projs.2"] = state["out_emb.out_projs.2"] + 0.01
+    run = convert(tmp_path, state, adaptive_io_case[1])
+    weights = load_model(run).state_dict()
+    assert not load_model(run).config.tie_io
+    assert torch.equal(weights["out.projections.2"], state["out_emb.out_projs.2"])
+    assert torch.equal(weights["out.weights.2"], state["in_emb.emb_layers.2.weight"])

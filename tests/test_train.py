@@ -198,7 +198,8 @@ def test_saved_model_reproduces_the_final_validation(tmp_path, corpus_file):
 def test_run_leaves_no_temporary_files(tmp_path, corpus_file):
     run_quietly(tmp_path, tiny_train_config(corpus_file, steps=3, checkpoint_interval=1))
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted([CONFIG_FILE, "metrics.jsonl", WEIGHTS_FILE, STATE_FILE])
+    assert names == sorted([CONFIG_FILE, "metrics.jsonl", WEIGHTS_FILE, STATE_FILE,
+                            "tokenizer.json"])
 
 
 def _distributed_worker(rank: int, ports: tuple[int, int], data: str, run_dir: Path) -> None:

@@ -28,14 +28,17 @@ def flops_per_char(model, block_size: int = 512) -> float:
 
     Per layer: the attention's count (projections and ``2 * d_head`` per attended key, see
     :meth:`adaspan.attention.Attention.flops_per_char`) and the feed-forward
-    (``2 * d * d_inner``, where the layers have one); then the output layer (``d * V``).
-    Embedding lookups, layer norms, softmax and biases are not counted. Throughputs in GFLOP/s
-    count 2 FLOPs per multiply-add.
+    (``2 * d * d_inner``, where the layers have one); then the output layer's full
+    distribution (``model.out.flops()``): ``d * V``, or for an adaptive softmax the head
+    ``d d_0 + d_0 (n_0 + k)`` and each tail cluster ``d d_i + d_i n_i``
+    (:meth:`adaspan.adaptive_io.Clusters.flops`). Embedding lookups (an adaptive input's
+    projections too), layer norms, softmax and biases are not counted. Throughputs in
+    GFLOP/s count 2 FLOPs per multiply-add.
     """
     cfg = model.config
     attention = sum(layer.attn.flops_per_char(block_size) for layer in model.layers)
     feed_forward = cfg.n_layers * 2 * cfg.d_model * cfg.d_inner if cfg.feed_forward else 0
-    return attention + feed_forward + cfg.d_model * cfg.vocab_size
+    return attention + feed_forward + model.out.flops()
 
 
 def head_span_history(events: list[dict]) -> dict:

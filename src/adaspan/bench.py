@@ -178,8 +178,8 @@ def train_seconds(model, batch_size, block_size, steps, precision, statistic) ->
         tokens = torch.randint(0, model.config.vocab_size, (batch_size, block_size + 1),
                                device=device)
         with precision.applied():
-            log_probs, cache[0] = model(tokens[:, :-1], cache[0])
-            nll = -log_probs.gather(-1, tokens[:, 1:, None]).mean()
+            target_log_probs, cache[0] = model(tokens[:, :-1], cache[0], targets=tokens[:, 1:])
+            nll = -target_log_probs.mean()
             loss = nll + model.span_loss()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -70,6 +70,7 @@ TENSORBOARD_DIR = "tb"
 ARCHIVE_DIR = "checkpoints"  # earlier checkpoints kept with TrainConfig.keep_last
 REPORT_DIR = "report"
 VOCAB_FILE = "vocab.json"  # a converted run's symbols
+TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer (adaspan.tokenizer); none: bytes
 NEW_RUN_ADVICE = "pass --resume to continue that run, or choose another directory"
 
 Writer = Callable[[Path], None]  # writes one file, given the path to write it to
@@ -116,6 +117,7 @@ class RunDir:
         self.archive_dir = self.path / ARCHIVE_DIR
         self.report_dir = self.path / REPORT_DIR
         self.vocab_file = self.path / VOCAB_FILE
+        self.tokenizer_file = self.path / TOKENIZER_FILE
 
     def __fspath__(self) -> str:
         return str(self.path)
@@ -293,7 +295,10 @@ def stored_form(config: TrainConfig) -> TrainConfig:
     its name), so that the run can be evaluated and resumed from any working directory."""
     data_dir = (None if config.data_dir is None
                 else str(Path(config.data_dir).expanduser().resolve()))
-    return replace(config, data=resolve_data(config.data), data_dir=data_dir)
+    tokenizer_file = (None if config.tokenizer_file is None
+                      else str(Path(config.tokenizer_file).expanduser().resolve()))
+    return replace(config, data=resolve_data(config.data), data_dir=data_dir,
+                   tokenizer_file=tokenizer_file)
 
 
 def new_run_dir(name: str) -> Path:

@@ -287,25 +287,25 @@ def _evaluate(args: argparse.Namespace) -> int:
     from .checkpoint import RunDir, load_model
     from .data import source_distance
     from .evaluate import bpc_by_distance, evaluate, short_context
-    from .official import run_split
     from .synthetic import is_synthetic
     from .tables import evaluation_text
+    from .tokens import run_split
 
-    tokens, name, unit = run_split(args.run_dir, args.split, args.data, args.data_dir,
-                                   progress=not args.no_progress)
+    tokens, name, unit, ends = run_split(args.run_dir, args.split, args.data, args.data_dir,
+                                         progress=not args.no_progress)
     block_size = args.block_size or RunDir(args.run_dir).load_config()[1].block_size
     model = load_model(args.run_dir, args.device)
     synthetic = is_synthetic(name)
     result = evaluate(model, tokens, batch_size=args.batch_size, block_size=block_size,
                       progress=not args.no_progress, max_chars=args.max_chars, dtype=args.dtype,
-                      token_logprobs=args.token_logprobs is not None or synthetic)
+                      token_logprobs=args.token_logprobs is not None or synthetic, ends=ends)
     if synthetic:
         result["by_distance"] = bpc_by_distance(result, source_distance(name, args.split))
     logprobs = result.pop("token_logprobs", None)
     if args.token_logprobs is not None:
         np.save(args.token_logprobs, logprobs)
     result = {**result, **short_context(model, result), "split": args.split, "data": name,
-              **result["precision"]}  # dtype, tf32, device, torch: what ran
+              "unit": unit, **result["precision"]}  # dtype, tf32, device, torch: what ran
     del result["precision"]
     print(_json_line(result) if args.json else evaluation_text(result, unit))
     return 0
@@ -318,11 +318,12 @@ def _add_generate(commands) -> None:
     p = _command(commands, "generate", _generate, run_dir=True)
     p.add_argument("--prompt", default="", help="text to continue (default: none, the "
                    "start of a line)")
-    p.add_argument("--length", type=int, default=500, help="bytes to generate")
+    p.add_argument("--length", type=int, default=500, help="tokens to generate (bytes for a "
+                   "byte-level run)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="divides the log-probabilities before sampling; 0 = greedy")
     p.add_argument("--top-k", type=_positive_int,
-                   help="sample among the k most likely bytes only (default: among all)")
+                   help="sample among the k most likely tokens only (default: among all)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the sampling: a seed gives the same text at every call (the "
                    "default one too); pass another seed for another sample")
@@ -336,8 +337,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     Print the prompt, then each character as it is sampled."""
     from .checkpoint import load_model
-    from .official import run_codec
     from .precision import choose
+    from .tokens import run_codec
 
     codec = run_codec(args.run_dir)
     model = load_model(args.run_dir, args.device)
@@ -353,29 +354,31 @@ def _sample(args: argparse.Namespace, model, codec, precision) -> None:
 
     typed = os.fsencode(args.prompt)  # the bytes typed, UTF-8 or not
     shown = typed.decode("utf-8", errors="replace")
-    prompt = codec.encode(typed or b"\n", "prompt")  # empty: a line start, as stream() reads it
-    tokens = stream(model, prompt, args.length, args.temperature, args.top_k,
+    prompt = codec.encode(typed or b"\n").ids  # empty: a line start
+    tokens = stream(model, prompt.tolist(), args.length, args.temperature, args.top_k,
                     torch.Generator().manual_seed(args.seed))
-    chars = codec.decode(tokens)
+    pieces = codec.pieces(tokens)
     if args.json:
         tic = time.perf_counter()
-        text = bytes(chars)
+        text = b"".join(pieces)
         seconds = time.perf_counter() - tic
+        rate = (lambda n: round(n / seconds, 3) if seconds else None)  # noqa: E731
         print(json.dumps({"prompt": shown, "text": text.decode("utf-8", errors="replace"),
-                          "chars": len(text), "seconds": round(seconds, 6),
-                          "chars_per_s": round(len(text) / seconds, 3) if seconds else None,
+                          "tokens": args.length, "chars": len(text), "seconds": round(seconds, 6),
+                          "tokens_per_s": rate(args.length), "chars_per_s": rate(len(text)),
                           **precision.record()}))
     else:
-        _write_stream(shown, chars)
+        _write_stream(shown, pieces)
 
 
-def _write_stream(prompt: str, chars) -> None:
-    """Write ``prompt``, then each byte of ``chars`` as it comes (UTF-8 decoded incrementally)."""
+def _write_stream(prompt: str, pieces) -> None:
+    """Write ``prompt``, then the bytes of each token of ``pieces`` as they come (UTF-8
+    decoded incrementally: a character split over tokens is written when complete)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(prompt)
     sys.stdout.flush()
-    for char in chars:
-        text = decoder.decode(bytes([char]))
+    for piece in pieces:
+        text = decoder.decode(piece)
         if text:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -465,8 +468,8 @@ BENCH_BLOCK_SIZE = 256  # without a preset or config file
 
 def _add_bench(commands) -> None:
     p = _command(commands, "bench", _bench)
-    _add_sources(p, "model options", "take the model of this preset",
-                 "TOML file with a [model] table")
+    _add_sources(p, "model options (and tokenizer=, data= for figures per byte)",
+                 "take the model of this preset", "TOML file with a [model] table")
     p.add_argument("--spans", help="'fixed', or spans cycled over the heads, e.g. 32,64,128,1024 "
                    "(default: the spans of a new model)")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="parallel streams")
@@ -490,10 +493,13 @@ def _bench(args: argparse.Namespace) -> int:
     """Measure train/eval/generation speed, FLOPs and memory of a configuration.
 
     One warm-up step, then --steps timed steps with the cache carried; the median (or mean)
-    of their times."""
+    of their times. Rates are in tokens (chars: whatever a token is); for a tokenizer that
+    learns its tokens (tokenizer=words|bpe) also per byte of text, at the average bytes per
+    token of the corpus's valid split."""
     from .bench import MEMORY_FIELDS, bench
     from .resolve import resolve_config
     from .tables import bench_table
+    from .tokens import per_byte
 
     model_config, train_config = resolve_config(args.preset, args.config, args.overrides)
     block_size = args.block_size or (train_config.block_size if args.preset or args.config
@@ -501,6 +507,7 @@ def _bench(args: argparse.Namespace) -> int:
     result = bench(model_config, args.batch_size, block_size, args.spans, args.steps,
                    args.gen_chars, args.device, args.dtype, args.statistic,
                    args.compile, train_config.optimizer)
+    result.update(per_byte(train_config, model_config, result, progress=not args.json))
     print(_json_line(result) if args.json else bench_table(result, MEMORY_FIELDS))
     return 0
 

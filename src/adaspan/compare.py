@@ -27,7 +27,6 @@ from tqdm.auto import tqdm
 from .analysis import effective_spans, flops_per_char, span_summary
 from .checkpoint import RunDir, RunDirError, load_model, stored_form
 from .config import ConfigError, ModelConfig, TrainConfig
-from .data import Corpus, load_corpus
 from .distributed import resolve_device
 from .errors import UserError
 from .evaluate import evaluate
@@ -39,6 +38,7 @@ from .plots import PlotError, compare_figure, png_bytes, require_plots, span_lim
 from .precision import choose
 from .registry import ATTENTIONS
 from .report import run_events
+from .tokens import run_split
 from .train import train
 
 SUMMARY_FILE = "train_summary.json"  # written into a method's run directory once trained
@@ -119,7 +119,6 @@ def compare(
     configs = {label: config for limit in limits for label, config in
                _table_configs(methods, replace(model_config, max_span=limit), train_config,
                               out_dir, f"-S{limit}" if max_spans else "").items()}
-    corpus = load_corpus(train_config.data, train_config.data_dir, progress=progress)
     device = resolve_device(train_config.device)
     splits = ("valid", "test") if evaluate_test else ("valid",)
     rows, learned = [], {}
@@ -127,8 +126,7 @@ def compare(
         run_dir = out_dir / label
         summary = _train_or_reuse(config, train_config, run_dir, progress, log)
         model = load_model(run_dir, device)
-        measured = _evaluation(model, run_dir, corpus, splits, train_config, eval_chars,
-                               progress)
+        measured = _evaluation(model, run_dir, splits, train_config, eval_chars, progress)
         rows.append(_row(model, summary, measured, with_limit=bool(max_spans)))
         if model.span_type.learned:
             learned[label] = measured["spans"]
@@ -240,9 +238,10 @@ def _train_or_reuse(
     return summary
 
 
-def _evaluation(model: SpanLM, run_dir: Path, corpus: Corpus, splits: tuple[str, ...],
+def _evaluation(model: SpanLM, run_dir: Path, splits: tuple[str, ...],
                 train_config: TrainConfig, eval_chars: int | None, progress: bool) -> dict:
-    """``<split>_bpc`` of ``model`` on each split of ``splits``; then, as they stand after
+    """``<split>_bpc`` of ``model`` on each split of ``splits`` (bits per byte of the text,
+    the split as the run's tokens); then, as they stand after
     evaluation (dynamic spans: those of its last block), the ``spans`` of its heads
     (:func:`effective_spans`), its ``flops_per_char`` and the estimated ``peak_mb`` of one of
     its training steps. Read back from ``run_dir`` where that run was evaluated on the same
@@ -252,8 +251,10 @@ def _evaluation(model: SpanLM, run_dir: Path, corpus: Corpus, splits: tuple[str,
     stored = json.loads(stored_file.read_text()) if stored_file.is_file() else {}
     if (stored.get("eval_chars") != eval_chars or not set(keys) <= set(stored.get("bpc", {}))
             or "peak_mb" not in stored or "precision" not in stored):
-        results = [evaluate(model, corpus.split(split), block_size=block_size,
-                            progress=progress, max_chars=eval_chars) for split in splits]
+        results = [evaluate(model, tokens, block_size=block_size, progress=progress,
+                            max_chars=eval_chars, ends=ends)
+                   for tokens, _, _, ends in (run_split(run_dir, split, progress=progress)
+                                              for split in splits)]
         bpc = {key: result["bpc"] for key, result in zip(keys, results, strict=True)}
         streams = train_config.batch_size // train_config.batch_split
         peak = training_estimate(model, train_config, streams)
@@ -300,9 +301,9 @@ def _caption(train_config: TrainConfig, eval_chars: int | None, device: torch.de
     scope = f"first {eval_chars:,} characters (a prefix)" if eval_chars else "whole split"
     trained, scored = (choose(train_config.dtype, device, job).describe()
                        for job in ("train", "score"))
-    return (f"{train_config.data}: every method trained for {budget} with seed "
-            f"{train_config.seed} in {trained} on {device}; bpc over the {scope}, scored in "
-            f"{scored}.")
+    return (f"{train_config.data} ({train_config.tokenizer} tokens): every method trained for "
+            f"{budget} with seed {train_config.seed} in {trained} on {device}; bpc (bits per "
+            f"byte of the text) over the {scope}, scored in {scored}.")
 
 
 def format_markdown(rows: list[dict]) -> str:

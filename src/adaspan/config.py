@@ -8,6 +8,7 @@ Defaults are the paper's small model and its training recipe (§3).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Collection
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
@@ -18,6 +19,7 @@ from .errors import UserError
 from .fused import KERNELS
 from .precision import DTYPES
 from .registry import ATTENTIONS, VariantNames
+from .tokenizer import TOKENIZERS
 
 TRUNCATIONS = ("head", "layer", "none")
 SPAN_PER = ("head", "layer")
@@ -145,6 +147,14 @@ class ModelConfig(Options):
                                   choices=VariantNames(lambda variant: variant.span_of is not None))
     feed_forward: bool = option(True, "each layer has its ReLU feed-forward sublayer (true | "
                                 "false: the all-attention layer, with attention=persistent)")
+    adaptive_io: bool = option(False, "adaptive input and softmax (Baevski & Auli; Grave et "
+                               "al.), for large vocabularies (true | false)")
+    cutoffs: str = option("", "adaptive_io's cluster boundaries: increasing token ids in "
+                          "(0, vocab_size), comma-separated, e.g. 20000,40000,200000 (default: "
+                          "one cluster)")
+    div_val: int = option(4, "adaptive_io: cluster i has dimension d_model // div_val**i")
+    tie_io: bool = option(True, "adaptive_io: the softmax shares the input's embeddings and "
+                          "projections (true | false)")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_inner", "max_span",
@@ -162,6 +172,7 @@ class ModelConfig(Options):
                       f"an integer in [1, factorized_stride={self.factorized_stride}]")
         self._check_variant()
         self._check_span_can_adapt()
+        self._check_adaptive_io()
 
     def _check_variant(self) -> None:
         """The options the registered attention checks itself (``check`` of
@@ -184,6 +195,29 @@ class ModelConfig(Options):
                 f"attention={self.attention}: every span would be pinned at max_span and "
                 "nothing would adapt; raise max_span or lower ramp")
 
+    def _check_adaptive_io(self) -> None:
+        """Booleans, ``div_val`` >= 1, ``cutoffs`` increasing ids in (0, vocab_size), set
+        only with ``adaptive_io``, and every cluster at least one dimension wide."""
+        for name in ("adaptive_io", "tie_io"):
+            self._require(name, lambda v: isinstance(v, bool), "true or false")
+        self._require("div_val", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        self._require("cutoffs", lambda v: _parse_cutoffs(v) is not None,
+                      "comma-separated integers")
+        ids = self.cutoff_ids
+        self._require("cutoffs", lambda v: not v or self.adaptive_io, "empty without adaptive_io")
+        self._require("cutoffs", lambda v: all(0 < c < self.vocab_size for c in ids),
+                      f"token ids in (0, vocab_size={self.vocab_size})")
+        self._require("cutoffs", lambda v: all(a < b for a, b in itertools.pairwise(ids)),
+                      "strictly increasing")
+        self._require("div_val", lambda v: self.d_model // v ** len(ids) >= 1,
+                      f"small enough that d_model={self.d_model} // div_val**{len(ids)} "
+                      "(the last cluster's dimension) is >= 1")
+
+    @property
+    def cutoff_ids(self) -> tuple[int, ...]:
+        """``cutoffs`` as token ids: c_1 < ... < c_k, the first ids of clusters 1..k."""
+        return _parse_cutoffs(self.cutoffs) or ()
+
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_heads
@@ -205,8 +239,17 @@ class TrainConfig(Options):
     data: str = option("kjv", "corpus: kjv (bundled, default) | enwik8 | text8 | "
                        "synthetic:copy or synthetic:words (generated, '?key=value&..' sets "
                        "their parameters) | a text file or directory", fixed_on_resume=True)
-    data_dir: str | None = option(None, "where enwik8/text8 are cached (default: $ADASPAN_DATA "
-                                  "or ~/.cache/adaspan)")
+    data_dir: str | None = option(None, "where enwik8/text8 and tokenised corpora are cached "
+                                  "(default: $ADASPAN_DATA or ~/.cache/adaspan)")
+    tokenizer: str = option("bytes", "what one token is: a byte (256 symbols) | a word (the "
+                            "vocab_size - 1 most frequent words of the train split, <eos> at "
+                            "each line end, others <unk>) | a byte-level BPE subword trained on "
+                            "the train split to vocab_size tokens (or read from "
+                            "tokenizer_file)", choices=TOKENIZERS.keys(), fixed_on_resume=True)
+    tokenizer_file: str | None = option(None, "a tokenizer.json to use instead of training "
+                                        "one: for bpe any Hugging Face tokenizers file, for "
+                                        "words or bpe that of an adaspan run",
+                                        fixed_on_resume=True)
     batch_size: int = option(64, "parallel streams per step (paper: 64)", fixed_on_resume=True)
     block_size: int = option(512, "characters per stream per step (paper: 512)",
                              fixed_on_resume=True)
@@ -271,6 +314,11 @@ class TrainConfig(Options):
         self._require("data", lambda v: isinstance(v, str) and v, "a corpus name or path")
         self._require("data_dir", lambda v: v is None or isinstance(v, str),
                       "a directory or None")
+        self._require("tokenizer_file", lambda v: v is None or (isinstance(v, str) and v),
+                      "a path or None")
+        self._require("tokenizer_file",
+                      lambda v: v is None or TOKENIZERS[self.tokenizer].learned,
+                      f"None for tokenizer={self.tokenizer}, which learns nothing")
         self._check_choices()
         self._require("device", lambda v: DEVICE.fullmatch(v), "auto, cpu, cuda or cuda:N")
         self._require("time_budget", lambda v: v is None or (_is_number(v) and v > 0),
@@ -299,6 +347,17 @@ def require(name: str, value: object, ok: Callable[[Any], object], what: str) ->
         valid = False
     if not valid:
         raise ConfigError(f"{name} must be {what}, got {value!r}")
+
+
+def _parse_cutoffs(text: object) -> tuple[int, ...] | None:
+    """``"20000, 40000"`` as ``(20000, 40000)``, ``""`` as ``()``; None where not a string of
+    comma-separated integers."""
+    if not isinstance(text, str):
+        return None
+    parts = [part.strip() for part in text.split(",")] if text.strip() else []
+    if not all(part.lstrip("-").isdigit() for part in parts):
+        return None
+    return tuple(int(part) for part in parts)
 
 
 def _is_int(value: object) -> bool:

@@ -29,9 +29,11 @@ Two decoders keep the keys and values in a ring of slots, position t at slot ``t
 Missing history is zero keys and values, as the model reads it. The residuals are the
 accumulators of the products (``x + y W_o``, ``h + b_2 + r W_2``), the biases folded
 accordingly. Under autocast (on when decoding starts) all of it runs in the autocast dtype,
-autocast itself off inside a step (its casts are done once). Other variants (the baselines,
-persistent memory) and layers without the feed-forward decode through the model's own
-forward: :func:`decoder` picks.
+autocast itself off inside a step (its casts are done once). With adaptive input and
+softmax (``adaptive_io``), the token is embedded and the log-probabilities computed by the
+model's own modules (:mod:`adaspan.adaptive_io`: no host synchronisation, static shapes), in
+the parameters' dtype. Other variants (the baselines, persistent memory) and layers without
+the feed-forward decode through the model's own forward: :func:`decoder` picks.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .adaptive_io import AdaptiveInput, AdaptiveSoftmax
 from .attention import SpanAttention
 from .band import log_soft_mask
 from .cache import Cache, KeyValueCache
@@ -63,7 +66,7 @@ def decoder(model: SpanLM, cache: Cache, position: int, fast: bool = True,
     token at a time."""
     if not (fast and Decoder.handles(model)):
         return _ModelStep(model, cache)
-    on_cuda = model.embed.weight.is_cuda
+    on_cuda = model.device.type == "cuda"
     if not (on_cuda if static is None else static):
         return Decoder(model, cache, position).step
     step = StaticDecoder(model, cache, position)
@@ -75,7 +78,7 @@ class _ModelStep:
 
     def __init__(self, model: SpanLM, cache: Cache) -> None:
         self.model, self.cache = model, cache
-        self.device = model.embed.weight.device
+        self.device = model.device
 
     def __call__(self, token: int) -> Tensor:
         log_probs, self.cache = self.model(torch.tensor([[token]], device=self.device), self.cache)
@@ -86,17 +89,22 @@ class _Decoding:
     """What both decoders share: their layers (of ``layer_type``, which keeps the ring), built
     from the key/value cache of the prompt (``position`` tokens), and the output layer. Valid
     while the weights do not change. Each step's log-probabilities live in a buffer
-    (``log_probs_row``) that the next step overwrites."""
+    (``log_probs_row``) that the next step overwrites. An adaptive input and softmax
+    (``adaptive_input``, ``adaptive_softmax``; else None) are called as they are."""
 
     def __init__(self, model: SpanLM, cache: Cache, position: int,
                  layer_type: type[_LayerDecoder]) -> None:
-        weight = model.embed.weight
+        weight = model.layers[0].attn.q.weight
         self.dtype = dtype = _compute_dtype(weight)
         self.layers = [layer_type(layer, model.pos, layer_cache, position, dtype)
                        for layer, layer_cache in zip(model.layers, cache, strict=True)]
-        self.out_weight = _transposed(model.out.weight, dtype)
-        self.out_bias = model.out.bias.to(dtype)
-        self.logits = self.out_bias.new_empty(1, model.config.vocab_size)
+        adaptive = isinstance(model.out, AdaptiveSoftmax)
+        self.adaptive_softmax = model.out if adaptive else None
+        self.adaptive_input = model.embed if isinstance(model.embed, AdaptiveInput) else None
+        if not adaptive:
+            self.out_weight = _transposed(model.out.weight, dtype)
+            self.out_bias = model.out.bias.to(dtype)
+            self.logits = self.out_bias.new_empty(1, model.config.vocab_size)
         self.log_probs = weight.new_empty(1, model.config.vocab_size)
         self.log_probs_row = self.log_probs[0]
         # the steps run in ``dtype`` with the weights cast already: autocast is off inside
@@ -112,6 +120,9 @@ class _Decoding:
 
     def _output(self, x: Tensor) -> Tensor:
         """The log-probabilities (V,) after the last layer's output ``x`` (1, D)."""
+        if self.adaptive_softmax is not None:
+            self.log_probs.copy_(self.adaptive_softmax.log_probs(x.to(self.log_probs.dtype)))
+            return self.log_probs_row
         torch.addmm(self.out_bias, x, self.out_weight, out=self.logits)
         torch.log_softmax(self.logits, -1, dtype=self.log_probs.dtype, out=self.log_probs)
         return self.log_probs_row
@@ -123,12 +134,19 @@ class Decoder(_Decoding):
 
     def __init__(self, model: SpanLM, cache: Cache, position: int) -> None:
         super().__init__(model, cache, position, _SlotLayer)
-        self.embeddings, self.position = model.embed.weight.to(self.dtype).split(1), position
+        self.position = position
+        if self.adaptive_input is None:
+            self.embeddings = model.embed.weight.to(self.dtype).split(1)
+        else:  # the token embedded through the model's adaptive input, from a device tensor
+            self.token = torch.zeros(1, dtype=torch.long, device=model.device)
 
     def step(self, token: int) -> Tensor:
         """Log-probabilities (V,) of the token after ``token``, which sits at ``position``."""
         with self.autocast_off:
-            x = self.embeddings[token]
+            if self.adaptive_input is None:
+                x = self.embeddings[token]
+            else:
+                x = self.adaptive_input(self.token.fill_(token)).to(self.dtype)
             for layer in self.layers:
                 x = layer(x, self.position)
             self.position += 1
@@ -144,10 +162,11 @@ class StaticDecoder(_Decoding):
 
     def __init__(self, model: SpanLM, cache: Cache, position: int) -> None:
         super().__init__(model, cache, position, _IndexedLayer)
-        weight = model.embed.weight
-        self.embeddings = weight.to(self.dtype)
+        weight = model.layers[0].attn.q.weight
+        if self.adaptive_input is None:
+            self.embeddings = model.embed.weight.to(self.dtype)
         self.token = torch.zeros(1, dtype=torch.long, device=weight.device)
-        self.x = self.embeddings.new_empty(1, weight.shape[1])
+        self.x = torch.empty(1, model.config.d_model, dtype=self.dtype, device=weight.device)
         # clock[0] = t, clock[1 + j] = j - t: modulo W, the slot of t and the window's column
         # of slot j (each layer's remainder by its own W)
         longest = max(layer.window for layer in self.layers)
@@ -159,7 +178,10 @@ class StaticDecoder(_Decoding):
     def step(self) -> Tensor:
         """Log-probabilities (V,) of the token after the one in :attr:`token`."""
         with self.autocast_off:
-            x = torch.index_select(self.embeddings, 0, self.token, out=self.x)
+            if self.adaptive_input is None:
+                x = torch.index_select(self.embeddings, 0, self.token, out=self.x)
+            else:
+                x = self.x.copy_(self.adaptive_input(self.token))
             for layer in self.layers:
                 x = layer(x, self.clock)
             self.clock.add_(self.tick)

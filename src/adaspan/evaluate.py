@@ -38,24 +38,24 @@ def evaluate(
     dtype: str | Precision = "auto",
     token_logprobs: bool = False,
     dist: Distributed | None = None,
+    ends: np.ndarray | None = None,
 ) -> dict:
-    """Bits per character of ``model`` on ``tokens``.
+    """Bits per character (per byte of text) of ``model`` on ``tokens``.
 
-    ``max_chars`` scores only the first ``max_chars`` characters of ``tokens`` (one contiguous
-    prefix, cut into the ``batch_size`` streams; rounded down to a multiple of it): a quick
-    estimate for periodic validation. The model is moved to ``device`` (default: where it
-    is), run in eval mode without gradients, and left in the train/eval mode it had.
-    ``dtype`` is that of the products: a :class:`~adaspan.precision.Precision`, or auto,
-    float32 or bfloat16 as a scoring job chooses them (auto: fp32, TF32 off, on any device).
-    Nothing waits for the device until the end but the upload of each block. Returns ``bpc``,
-    ``loss`` (nats per character) and ``chars`` (number of targets), ``precision`` (what ran:
-    :meth:`~adaspan.precision.Precision.record`), then what was scored how:
+    ``max_chars`` scores only the first ``max_chars`` tokens (a prefix cut into the
+    ``batch_size`` streams, rounded down to a multiple of it): a quick estimate for
+    validation. The model runs on ``device`` (default: where it is) in eval mode, no grad.
+    ``dtype``: a :class:`~adaspan.precision.Precision`, or auto (fp32, TF32 off), float32
+    or bfloat16 as a scoring job chooses them. Nothing waits for the device but the upload of
+    each block. ``ends``: where
+    each token ends in the text (None: the tokens are bytes). Returns :func:`scores` (``bpc``:
+    bits per byte of the text the targets cover, comparable across tokenizers; per token
+    ``loss`` and ``perplexity``), ``precision`` (:meth:`Precision.record`), then how:
     ``streams`` (``batch_size``), ``stream_chars`` (targets per stream), ``block_size``,
     ``cache_carried`` and ``cache_positions`` (per layer, the positions carried to the next
     block: 0 for a variant that carries none; :func:`short_context` adds how many targets had
     less context than the longest span); with ``token_logprobs=True`` also ``token_logprobs``,
-    the natural-log probability of every scored target in stream order (all of stream 0, then
-    stream 1, ...: text order when ``batch_size`` is 1), a float32 array.
+    the log-probability of every target, stream after stream (float32).
 
     With ``dist`` (every rank of a torchrun job calls it, each with its own ``device``), each
     rank scores its :meth:`~Distributed.rows` of the ``batch_size`` streams and the sums are
@@ -64,29 +64,48 @@ def evaluate(
     """
     dist = dist if dist is not None else Distributed()
     _check(max_chars, batch_size, token_logprobs, dist)
-    if max_chars is not None:
-        tokens = tokens[: max_chars + 1]  # max_chars targets
-    stream = BlockStream(tokens, batch_size, block_size)
-    device = torch.device(device) if device is not None else next(model.parameters()).device
+    stream = BlockStream(tokens[: None if max_chars is None else max_chars + 1], batch_size,
+                         block_size)
+    device = torch.device(device) if device is not None else model.device
     precision = dtype if isinstance(dtype, Precision) else choose(dtype, device, "score")
     was_training = model.training
-    model.to(device).eval()
+    bar = tqdm(total=stream.num_chars // dist.world_size, unit="token", unit_scale=True,
+               desc="evaluating", disable=None if progress else True)
     try:
-        bar = tqdm(total=stream.num_chars // dist.world_size, unit="char", unit_scale=True,
-                   desc="evaluating", disable=None if progress else True)
         with torch.no_grad(), precision.applied(), bar:
-            nll, chars, kept, cache = _score(model, stream, dist, device, token_logprobs, bar)
+            nll, chars, kept, cache = _score(model.to(device).eval(), stream, dist, device,
+                                             token_logprobs, bar)
     finally:
         model.train(was_training)
     nll, chars = dist.sum([nll.item(), chars])
     carried = _positions(cache)
-    result = {"bpc": nll / chars / math.log(2), "loss": nll / chars, "chars": int(chars),
-              "streams": batch_size, "stream_chars": stream.stream_len,
-              "block_size": block_size, "cache_carried": max(carried) > 0,
-              "cache_positions": carried, "precision": precision.record()}
+    covered = chars if ends is None else scored_bytes(ends, batch_size, stream.stream_len)
+    result = {**scores(nll, int(chars), covered), "streams": batch_size,
+              "stream_chars": stream.stream_len, "block_size": block_size,
+              "cache_carried": max(carried) > 0, "cache_positions": carried,
+              "precision": precision.record()}
     if token_logprobs:  # blocks are consecutive columns of the (batch_size, n) streams
         result["token_logprobs"] = torch.cat(kept, dim=1).flatten().cpu().numpy()
     return result
+
+
+def scores(nll: float, tokens: int, covered: int) -> dict:
+    """The figures of a total negative log-likelihood ``nll`` (nats) of ``tokens`` targets
+    covering ``covered`` bytes of text: ``bpc`` (bits per byte), ``loss`` (nats per token),
+    ``perplexity`` (per token), ``bits_per_token``, ``bytes`` and ``chars`` (the targets)."""
+    loss = nll / tokens
+    return {"bpc": nll / covered / math.log(2), "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)), "bits_per_token": loss / math.log(2),
+            "bytes": int(covered), "chars": tokens}
+
+
+def scored_bytes(ends: np.ndarray, streams: int, stream_len: int) -> int:
+    """Bytes of text covered by the targets of ``streams`` streams of ``stream_len`` tokens
+    (:class:`~adaspan.data.BlockStream`): stream b predicts tokens b*n + 1 to b*n + n, whose
+    bytes end at ``ends[b*n]`` (exclusive start) and ``ends[b*n + n]``."""
+    starts = np.arange(streams, dtype=np.int64) * stream_len
+    return int((np.asarray(ends[starts + stream_len], dtype=np.int64)
+                - np.asarray(ends[starts], dtype=np.int64)).sum())
 
 
 def _check(max_chars: int | None, batch_size: int, token_logprobs: bool,
@@ -111,11 +130,10 @@ def _score(model: SpanLM, stream: BlockStream, dist: Distributed, device: torch.
     cache = model.empty_cache(dist.share(stream.batch_size), keys_values=True)
     for _, x, y in stream.blocks():
         x, y = torch.stack([x[rows], y[rows]]).to(device)  # one upload
-        log_probs, cache = model(x, cache)
-        target_log_probs = log_probs.gather(-1, y.unsqueeze(-1))
+        target_log_probs, cache = model(x, cache, targets=y)
         nll -= target_log_probs.double().sum()
         if token_logprobs:
-            kept.append(target_log_probs[..., 0].float())
+            kept.append(target_log_probs)
         chars += y.numel()
         bar.update(y.numel())
     return nll, chars, kept, cache

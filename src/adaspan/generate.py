@@ -1,4 +1,4 @@
-"""Sampling text from a trained model, one character at a time with the cache carried.
+"""Sampling text from a trained model, one token at a time with the cache carried.
 
 The prompt is read by the model's forward; each new character by the per-token step of
 :func:`adaspan.decode.decoder` (for span attention, the batch-1 :class:`adaspan.decode.Decoder`
@@ -8,7 +8,7 @@ sampled byte."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -16,23 +16,29 @@ import torch
 from .config import ConfigError
 from .decode import decoder
 from .model import SpanLM
+from .tokenizer import ByteTokenizer, Tokenizer
 
 
-def generate(model: SpanLM, prompt: bytes, length: int, **sampling: Any) -> bytes:
-    """Continue ``prompt`` by ``length`` bytes sampled from the model: all of :func:`stream`,
-    with its ``temperature``, ``top_k`` and ``generator``."""
-    return bytes(stream(model, prompt, length, **sampling))
+def generate(model: SpanLM, prompt: bytes, length: int, tokenizer: Tokenizer | None = None,
+             **sampling: Any) -> bytes:
+    """Continue the text ``prompt`` by ``length`` tokens of ``tokenizer`` (default: bytes)
+    sampled from the model, returned as text: all of :func:`stream`, with its
+    ``temperature``, ``top_k`` and ``generator``."""
+    tokenizer = tokenizer or ByteTokenizer()
+    ids = tokenizer.encode(prompt or b"\n").ids.tolist()
+    return b"".join(tokenizer.pieces(stream(model, ids, length, **sampling)))
 
 
 def stream(
     model: SpanLM,
-    prompt: bytes,
+    prompt: Sequence[int] | bytes,
     length: int,
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Iterator[int]:
-    """Yield ``length`` tokens continuing ``prompt``, each as soon as it is sampled.
+    """Yield ``length`` token ids continuing the ids ``prompt`` (the bytes of a byte-level
+    model; empty: a newline byte), each as soon as it is sampled.
 
     The prompt is read as one block; then each new byte is one step of
     :func:`adaspan.decode.decoder` (on CUDA, a CUDA graph's replay), its query attending to
@@ -56,7 +62,7 @@ def _stream(
     was_training = model.training
     model.eval()
     try:
-        device = model.embed.weight.device
+        device = model.device
         context = torch.tensor(list(prompt or b"\n"), dtype=torch.long, device=device)[None]
         log_probs, cache = model(context, model.empty_cache(1, keys_values=True))
         log_probs, step = log_probs[0, -1], decoder(model, cache, context.shape[1])

@@ -72,7 +72,7 @@ def training_estimate(model: SpanLM, config: TrainConfig, streams: int) -> Memor
     slice with ``config``'s block size, optimiser and precision, or its validation."""
     return estimate_training_memory(model, config.optimizer, streams, config.block_size,
                                     validation=True,
-                                    precision=choose(config.dtype, model.embed.weight.device))
+                                    precision=choose(config.dtype, model.device))
 
 
 def estimate_training_memory(
@@ -86,7 +86,7 @@ def estimate_training_memory(
     training."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
-    devices = [model.embed.weight.device] if model.embed.weight.is_cuda else []
+    devices = [model.device] if model.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         one, two = (step_peak_memory(model, n, block_size, precision) for n in (1, 2))
     model.zero_grad(set_to_none=True)
@@ -106,7 +106,7 @@ def evaluation_memory(model: SpanLM, streams: int, block_size: int,
     for the next blocks (:class:`adaspan.cache.KeyValueCache`: history + block +
     max(block, HEADROOM, history))."""
     config, total = model.config, 0
-    value_bytes = value_bytes or model.embed.weight.element_size()
+    value_bytes = value_bytes or next(model.parameters()).element_size()
     for layer_spans in model.spans():
         span = config.max_span
         if not model.span_type.input_dependent:
@@ -290,7 +290,7 @@ def step_peak_memory(model: SpanLM, batch_size: int, block_size: int,
     window, so the window is full), beyond what was allocated before the step (the weights):
     on CUDA from the allocator's peak counter, on CPU from the profiler's allocation events
     (:func:`profiled_peak`)."""
-    device = model.embed.weight.device
+    device = model.device
     seed = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (batch_size, block_size + 1),
                            generator=seed).to(device)
@@ -299,8 +299,9 @@ def step_peak_memory(model: SpanLM, batch_size: int, block_size: int,
 
     def step() -> None:
         with precision.applied() if precision is not None else nullcontext():
-            log_probs, _ = model(tokens[:, :-1], model.empty_cache(batch_size))
-            nll = -log_probs.gather(-1, tokens[:, 1:, None]).float().mean()
+            target_log_probs, _ = model(tokens[:, :-1], model.empty_cache(batch_size),
+                                        targets=tokens[:, 1:])
+            nll = -target_log_probs.mean()
             loss = nll + model.span_loss()
         loss.backward()
 

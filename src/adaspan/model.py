@@ -1,13 +1,17 @@
 """SpanLM: a character-level Transformer language model with span-limited attention.
 
 Token embedding -> ``n_layers`` post-norm layers (span attention + ReLU feed-forward, unless
-``feed_forward=False``) -> output projection to log-probabilities. Each layer keeps a cache of
-the hidden states of the previous blocks (Transformer-XL style), trimmed to what its heads can
-still see, so a stream is processed block by block::
+``feed_forward=False``) -> output projection to log-probabilities. With ``adaptive_io`` the
+embedding is an adaptive input and the output an adaptive softmax (:mod:`adaspan.adaptive_io`),
+for large vocabularies. Each layer keeps a cache of the hidden states of the previous blocks
+(Transformer-XL style), trimmed to what its heads can still see, so a stream is processed
+block by block::
 
     cache = model.empty_cache(batch_size)  # keys_values=True for inference (see adaspan.cache)
     for block in blocks:
-        log_probs, cache = model(block, cache)
+        log_probs, cache = model(block, cache)  # (B, M, V)
+        # or, for a loss: the targets' log-probabilities only, (B, M)
+        target_log_probs, cache = model(block, cache, targets=next_tokens)
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import Tensor, nn
 
 # importing them registers the built-in variants
 from . import attention, baselines, expire, persistent  # noqa: F401
+from .adaptive_io import AdaptiveInput, AdaptiveSoftmax, at_least_float32
 from .cache import Cache, KeyValueCache
 from .config import ModelConfig
 from .registry import ATTENTIONS
@@ -63,24 +68,64 @@ class Layer(nn.Module):
         return h if self.ff is None else self.norm2(h + self.ff(h))
 
 
+class Softmax(nn.Linear):
+    """The plain output layer: log softmax(h W^T + b), with the interface of
+    :class:`~adaspan.adaptive_io.AdaptiveSoftmax` (its state dict that of ``nn.Linear``)."""
+
+    def log_probs(self, h: Tensor) -> Tensor:
+        """Log-probabilities (..., V) of every token."""
+        return F.log_softmax(self(h), dim=-1)
+
+    def target_log_probs(self, h: Tensor, targets: Tensor) -> Tensor:
+        """Log-probabilities (...) of ``targets``, float32 (or float64)."""
+        return at_least_float32(self.log_probs(h).gather(-1, targets.unsqueeze(-1))[..., 0])
+
+    def flops(self) -> int:
+        """Multiply-adds per position of :meth:`log_probs`: d * V."""
+        return self.in_features * self.out_features
+
+
 class SpanLM(nn.Module):
-    """Character-level language model of the paper (§2.1, §3)."""
+    """Character-level language model of the paper (§2.1, §3); with ``adaptive_io``, adaptive
+    input and softmax over the vocabulary's clusters (:mod:`adaspan.adaptive_io`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        nn.init.normal_(self.embed.weight, 0.0, 1.0)  # paper: N(0, 1)
+        self.embed: nn.Embedding | AdaptiveInput
+        if config.adaptive_io:
+            self.embed = AdaptiveInput(config.vocab_size, config.d_model, config.cutoff_ids,
+                                       config.div_val)
+        else:
+            self.embed = nn.Embedding(config.vocab_size, config.d_model)
+            nn.init.normal_(self.embed.weight, 0.0, 1.0)  # paper: N(0, 1)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.n_layers))
-        self.out = nn.Linear(config.d_model, config.vocab_size)
+        self.out: Softmax | AdaptiveSoftmax
+        if config.adaptive_io:
+            self.out = AdaptiveSoftmax(config.vocab_size, config.d_model, config.cutoff_ids,
+                                       config.div_val, self.embed if config.tie_io else None)
+        else:
+            self.out = Softmax(config.d_model, config.vocab_size)
         # p_d, d = 1..S: one set of relative position embeddings for all heads and layers (§3)
         self.pos = (nn.Parameter(torch.randn(config.max_span, config.d_head))
                     if self.layers[0].attn.shared_positions else None)
 
-    def forward(self, tokens: Tensor, cache: Cache | None = None) -> tuple[Tensor, Cache]:
-        """Log-probabilities (B, M, V) of the next token at each position, and the new cache."""
+    @property
+    def device(self) -> torch.device:
+        """The device of the parameters."""
+        return next(self.parameters()).device
+
+    def forward(self, tokens: Tensor, cache: Cache | None = None,
+                targets: Tensor | None = None) -> tuple[Tensor, Cache]:
+        """Log-probabilities (B, M, V) of the next token at each position, and the new cache;
+        with ``targets`` (B, M), only the targets' log-probabilities (B, M), float32: what a
+        loss needs, cheaper (an adaptive softmax computes each tail cluster only where a
+        target is in it)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape (batch, block), got {tuple(tokens.shape)}")
+        if targets is not None and targets.shape != tokens.shape:
+            raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, "
+                             f"got {tuple(targets.shape)}")
         if cache is None:
             cache = self.empty_cache(tokens.shape[0])
         if len(cache) != len(self.layers):
@@ -91,19 +136,23 @@ class SpanLM(nn.Module):
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h, layer_cache = layer(h, layer_cache, self.pos)
             new_cache.append(layer_cache)
-        return self.head(h), new_cache
+        return self.head(h, targets), new_cache
 
-    def head(self, h: Tensor) -> Tensor:
-        """Log-probabilities of the next token from the last layer's states."""
-        return F.log_softmax(self.out(h), dim=-1)
+    def head(self, h: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Log-probabilities of the next token from the last layer's states (of ``targets``
+        only, where given)."""
+        return self.out.log_probs(h) if targets is None else self.out.target_log_probs(h, targets)
 
     def compile_dense(self) -> SpanLM:
         """Compile the parts of static shape (each layer's :meth:`Layer.dense` and the output
         :meth:`head`) with ``torch.compile``; the attention, whose key windows follow the
-        spans, stays eager. Weights and state dict are unchanged. Returns the model."""
+        spans, stays eager, and so does an adaptive softmax (its tail clusters take as many
+        rows as targets fall in them). Weights and state dict are unchanged. Returns the
+        model."""
         for layer in self.layers:
             layer.dense = torch.compile(layer.dense, dynamic=False)
-        self.head = torch.compile(self.head, dynamic=False)
+        if isinstance(self.out, Softmax):
+            self.head = torch.compile(self.head, dynamic=False)
         return self
 
     def empty_cache(self, batch_size: int, keys_values: bool = False) -> Cache:
@@ -119,7 +168,7 @@ class SpanLM(nn.Module):
         """Span penalty lambda / M * sum_i z_i over all heads of all layers (paper §2.2)."""
         terms = [t for layer in self.layers if (t := layer.attn.span.z_penalty()) is not None]
         if not terms:
-            return self.embed.weight.new_zeros(())
+            return self.layers[0].norm1.weight.new_zeros(())
         return self.config.span_loss_coef / self.config.n_heads * torch.stack(terms).sum()
 
     @property

@@ -9,19 +9,20 @@ adaspan run directory whose model gives the same log-probabilities on the same t
 Their data format: a directory with ``train.txt``, ``valid.txt`` and ``test.txt``; each line is
 split on whitespace and ends with the symbol ``<eos>``; the vocabulary lists the symbols in order
 of first appearance over train, valid, then test. A converted run stores that list in
-``vocab.json`` (``RunDir.vocab_file``). :func:`run_split` and :func:`run_codec` give the tokens
-of any run, converted or not, so that evaluating and sampling need not know which it is.
+``vocab.json`` (``RunDir.vocab_file``); :mod:`adaspan.tokens` reads a converted run's splits
+and text through it (:func:`encode_split`, :class:`ByteSymbols`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -29,10 +30,10 @@ from torch import Tensor
 
 from .checkpoint import RunDir, RunDirError
 from .config import ModelConfig, TrainConfig
-from .data import load_corpus
 from .errors import UserError
 from .files import load_pickled_tensors
 from .model import SpanLM
+from .tokenizer import Encoded
 
 EOS = "<eos>"
 SPLIT_FILES = {"train": "train.txt", "valid": "valid.txt", "test": "test.txt"}
@@ -61,6 +62,18 @@ _MEMORY_TENSORS = {"attn.persistent_keys": f"{_MEMORY}key",
                    "attn.persistent_values": f"{_MEMORY}val"}
 _MODEL_TENSORS = {"embed.weight": "in_emb.weight", "out.weight": "out_emb.weight",
                   "out.bias": "out_emb.bias"}
+# adaptive input/output (their --adapt-io): the authors' names of the tensors of cluster i
+_EMBED, _EMBED_PROJ = "in_emb.emb_layers.{i}.weight", "in_emb.emb_projs.{i}"
+_OUT, _OUT_BIAS = "out_emb.out_layers.{i}.weight", "out_emb.out_layers.{i}.bias"
+_OUT_PROJ = "out_emb.out_projs.{i}"
+_CLUSTER_LOGITS = ("out_emb.cluster_proj.weight", "out_emb.cluster_proj.bias")
+_CLUSTER_NAME = re.compile(r"(?:in_emb\.emb_(?:layers|projs)|out_emb\.out_(?:layers|projs))"
+                           r"\.(\d+)(?:\.|$)")
+# adaspan name -> the authors' name, for cluster i; _UNTIED_TENSORS: only where the output has
+# its own (tied, it uses the input's)
+_ADAPTIVE_TENSORS = {"embed.embeddings.{i}.weight": _EMBED, "embed.projections.{i}": _EMBED_PROJ,
+                     "out.biases.{i}": _OUT_BIAS}
+_UNTIED_TENSORS = {"out.weights.{i}": _OUT, "out.projections.{i}": _OUT_PROJ}
 
 
 class OfficialFormatError(UserError, ValueError):
@@ -105,7 +118,7 @@ def infer_config(
     _refuse_unsupported(state)
     memory = _has_memory(state)
     feed_forward = f"layers.0.{_FEED_FORWARD}" in state
-    required = [*_MODEL_TENSORS.values(), "key_pe"]
+    required = [*(() if _has_adaptive_io(state) else _MODEL_TENSORS.values()), "key_pe"]
     if not memory:  # their layers with persistent memory have no feed-forward
         required.append(f"layers.0.{_FEED_FORWARD}")
     for name in required:
@@ -113,7 +126,10 @@ def infer_config(
             raise OfficialFormatError(
                 f"the checkpoint has no tensor {name!r}: not a model of the "
                 "authors' adaptive-span code")
-    vocab_size, d_model = state["in_emb.weight"].shape
+    if _has_adaptive_io(state):
+        vocab_size, d_model, io_options = _adaptive_io_options(state)
+    else:
+        (vocab_size, d_model), io_options = state["in_emb.weight"].shape, {}
     if state["key_pe"].dim() != 3:
         raise OfficialFormatError(
             f"key_pe has shape {tuple(state['key_pe'].shape)}, "
@@ -136,22 +152,83 @@ def infer_config(
     return ModelConfig(
         vocab_size=vocab_size, d_model=d_model, n_heads=d_model // d_head, n_layers=len(layers),
         dropout=dropout, max_span=max_span, ramp=ramp, span_loss_coef=span_loss_coef,
-        feed_forward=feed_forward, **options)
+        feed_forward=feed_forward, **options, **io_options)
 
 
 def _refuse_unsupported(state: dict[str, Tensor]) -> None:
-    """A clear error for the authors' options that adaspan has no counterpart for."""
-    plain_io = {"in_emb.weight", "out_emb.weight", "out_emb.bias"}
-    if any(key.startswith(("in_emb.", "out_emb.")) and key not in plain_io for key in state):
+    """A clear error for input/output tensors of neither of the authors' two forms: plain
+    (``--adapt-io`` off) or adaptive."""
+    plain = [name for name in _MODEL_TENSORS.values() if name in state]
+    if plain and _has_adaptive_io(state):
         raise OfficialFormatError(
-            "the checkpoint uses adaptive input/output (--adapt-io), which adaspan "
-            "does not support")
+            f"the checkpoint has both {plain[0]} and adaptive input/output tensors "
+            "(in_emb.emb_layers.*): not a model of the authors' code")
+
+
+def _has_adaptive_io(state: dict[str, Tensor]) -> bool:
+    """Whether the authors' model ``state`` has adaptive input/output (their ``--adapt-io``)."""
+    return any(_CLUSTER_NAME.match(key) or key.startswith("out_emb.cluster_proj.")
+               for key in state)
+
+
+def _adaptive_io_options(state: dict[str, Tensor]) -> tuple[int, int, dict]:
+    """``(vocab_size, d_model, options)`` of the authors' adaptive input/output: the cluster
+    sizes, div_val and tying of adaspan's ``ModelConfig``, read from the shapes and checked."""
+    found = {int(m.group(1)) for key in state if (m := _CLUSTER_NAME.match(key))}
+    if found != set(range(len(found))) or len(found) < 2:
+        raise OfficialFormatError(
+            f"the adaptive input/output tensors name clusters {sorted(found)}: expected "
+            "0..n-1 with n >= 2 (a head and at least one tail cluster)")
+    clusters = range(len(found))
+    for i in clusters:
+        for name in (_EMBED.format(i=i), _EMBED_PROJ.format(i=i)):
+            if name not in state or state[name].dim() != 2:
+                raise OfficialFormatError(
+                    f"{name} is missing or not a matrix: not adaptive input of the authors' "
+                    "code")
+    sizes = [state[_EMBED.format(i=i)].shape[0] for i in clusters]
+    dims = [state[_EMBED.format(i=i)].shape[1] for i in clusters]
+    d_model, div_val = dims[0], _div_val(dims)  # their first cluster has d_model dimensions
+    expected = {_CLUSTER_LOGITS[0]: (len(sizes) - 1, d_model),
+                _CLUSTER_LOGITS[1]: (len(sizes) - 1,)}
+    for i, (size, dim) in enumerate(zip(sizes, dims, strict=True)):
+        expected.update({_EMBED_PROJ.format(i=i): (d_model, dim), _OUT.format(i=i): (size, dim),
+                         _OUT_BIAS.format(i=i): (size,), _OUT_PROJ.format(i=i): (d_model, dim)})
+    for name, shape in expected.items():
+        if name not in state:
+            raise OfficialFormatError(f"the checkpoint lacks {name} (adaptive input/output)")
+        if tuple(state[name].shape) != shape:
+            raise OfficialFormatError(
+                f"{name} has shape {tuple(state[name].shape)}, expected {shape} (cluster "
+                f"sizes {sizes}, embedding sizes {dims}, d_model {d_model})")
+    return sum(sizes), d_model, {
+        "adaptive_io": True, "cutoffs": ",".join(map(str, itertools.accumulate(sizes[:-1]))),
+        "div_val": div_val, "tie_io": _tied(state, len(sizes))}
+
+
+def _div_val(dims: list[int]) -> int:
+    """The smallest div_val >= 2 with embedding size ``dims[i] == dims[0] // div_val**i`` for
+    every cluster i (their sizes; any such div_val gives the same model)."""
+    for div_val in range(2, dims[0] + 2):
+        if all(dim == dims[0] // div_val**i for i, dim in enumerate(dims)):
+            return div_val
+    raise OfficialFormatError(
+        f"the clusters' embedding sizes {dims} are not d // div_val**i for any div_val >= 2: "
+        "not adaptive input of the authors' code")
+
+
+def _tied(state: dict[str, Tensor], clusters: int) -> bool:
+    """Whether the output uses the input's embeddings and projections (their
+    ``--adapt-io-tied``: one tensor under two names, so equal values in a checkpoint)."""
+    return all(torch.equal(state[_OUT.format(i=i)], state[_EMBED.format(i=i)])
+               and torch.equal(state[_OUT_PROJ.format(i=i)], state[_EMBED_PROJ.format(i=i)])
+               for i in range(clusters))
 
 
 def convert_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """adaspan's state dict (``position_table="model"``) of the authors' model ``state``."""
-    expected = {*_MODEL_TENSORS.values(), "key_pe"}
-    weights = {ours: state[theirs] for ours, theirs in _MODEL_TENSORS.items()}
+    weights, expected = _io_tensors(state, config)
+    expected.add("key_pe")
     # column c of key_pe is the embedding of distance S - c; adaspan's row d - 1 is distance d
     weights["pos"] = state["key_pe"][0].t().flip(0)
     memory = _has_memory(state)
@@ -181,6 +258,32 @@ def convert_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Te
             f"the checkpoint has tensors adaspan cannot map: "
             f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
     return {name: t.detach().float().contiguous() for name, t in weights.items()}
+
+
+def _io_tensors(state: dict[str, Tensor], config: ModelConfig) -> tuple[dict[str, Tensor],
+                                                                          set[str]]:
+    """adaspan's embedding and output tensors of the authors' ``state``, and the names of
+    their tensors that these stand for."""
+    if not config.adaptive_io:
+        return ({ours: state[theirs] for ours, theirs in _MODEL_TENSORS.items()},
+                set(_MODEL_TENSORS.values()))
+    clusters = range(len(config.cutoff_ids) + 1)
+    names = {ours.format(i=i): theirs.format(i=i) for i in clusters
+             for ours, theirs in (_ADAPTIVE_TENSORS
+                                  | ({} if config.tie_io else _UNTIED_TENSORS)).items()}
+    expected = {*names.values(), *_CLUSTER_LOGITS,
+                *(name.format(i=i) for i in clusters for name in (_OUT, _OUT_PROJ))}
+    missing = sorted(name for name in expected if name not in state)
+    if missing:
+        raise OfficialFormatError(f"the checkpoint lacks {', '.join(missing)}")
+    if config.tie_io and not _tied(state, len(clusters)):
+        raise OfficialFormatError(
+            "the output's embeddings or projections differ from the input's: not tied")
+    weights = {ours: state[theirs] for ours, theirs in names.items()}
+    # their head gives tail cluster c the logit of row k - c (its column -c); adaspan row c - 1
+    weights["out.cluster.weight"] = state[_CLUSTER_LOGITS[0]].flip(0)
+    weights["out.cluster.bias"] = state[_CLUSTER_LOGITS[1]].flip(0)
+    return weights, expected
 
 
 def _same_mask(state: dict[str, Tensor], layer: int) -> list[str]:
@@ -308,58 +411,41 @@ def encode_bytes(data: bytes, to_id: dict[int, int], what: str = "text") -> list
     return [to_id[b] for b in data]
 
 
-# ------------------------------------------------------------------------------ tokens of a run
-
-
-class RunSplit(NamedTuple):
-    """A split of a run's corpus: its token ids, the corpus's name and what one token is."""
-
-    tokens: np.ndarray
-    name: str
-    unit: str  # "character" (a byte of an adaspan corpus) or "symbol" (the authors' format)
-
-
-def run_split(
-    run_dir: str | Path,
-    split: str,
-    data: str | Path | None = None,
-    data_dir: str | Path | None = None,
-    progress: bool = True,
-) -> RunSplit:
-    """Split ``split`` of the corpus of ``run_dir``, or of ``data``, as the run's tokens: the
-    bytes of an adaspan corpus (``data_dir``: where enwik8/text8 are cached; default, the
-    run's), or for a converted run the symbol ids of a directory in the authors' format."""
-    saved = RunDir(run_dir).load_config()[1]
-    vocab = read_vocab(run_dir)
-    if vocab is None:
-        corpus = load_corpus(data or saved.data, data_dir or saved.data_dir, progress=progress)
-        return RunSplit(corpus.split(split), corpus.name, "character")
-    folder = data or saved.data
-    return RunSplit(encode_split(folder, split, vocab), f"{folder} (authors' format)", "symbol")
+# ------------------------------------------------------------------------- a converted run's text
 
 
 @dataclass(frozen=True)
-class RunCodec:
-    """Bytes to a run's token ids and back: the identity for an adaspan run, whose tokens are
-    bytes; for a converted run, its vocabulary of byte values and ``<eos>`` (the newline)."""
+class ByteSymbols:
+    """The text codec of a converted run whose vocabulary is byte values and ``<eos>`` (the
+    authors' enwik8/text8 format): bytes to token ids and back, one token per byte."""
 
-    to_id: dict[int, int] | None = None
-    to_byte: list[int] | None = None
+    to_id: dict[int, int]
+    to_byte: list[int]
+    unit: ClassVar[str] = "symbol"
 
-    def encode(self, data: bytes, what: str = "text") -> bytes:
-        """The token ids of ``data``, one byte each; a byte the run has no symbol for is an
-        error naming the ``what``."""
-        return data if self.to_id is None else bytes(encode_bytes(data, self.to_id, what))
+    @property
+    def vocab_size(self) -> int:
+        return len(self.to_byte)
 
-    def decode(self, tokens: Iterable[int]) -> Iterator[int]:
+    def encode(self, data: bytes) -> Encoded:
+        """The token ids of ``data``; a byte the run has no symbol for is an error."""
+        return Encoded(np.asarray(encode_bytes(data, self.to_id), dtype=np.int32), None)
+
+    def pieces(self, ids: Iterable[int]) -> Iterator[bytes]:
         """The byte of each token id, each as it comes."""
-        return iter(tokens) if self.to_byte is None else (self.to_byte[t] for t in tokens)
+        return (bytes([self.to_byte[t]]) for t in ids)
 
 
-def run_codec(run_dir: str | Path) -> RunCodec:
-    """The :class:`RunCodec` of ``run_dir`` (for sampling from it)."""
-    vocab = read_vocab(run_dir)
-    return RunCodec() if vocab is None else RunCodec(*byte_codec(vocab))
+def symbol_ends(ids: np.ndarray, vocab: list[str]) -> np.ndarray | None:
+    """Where each symbol of ``ids`` ends in the text the authors' files stand for: None (one
+    byte each) for a vocabulary of bytes; for words, each word and the space or line end after
+    it (``<eos>``: the newline, counted with the word before it)."""
+    try:
+        byte_codec(vocab)
+        return None
+    except OfficialFormatError:
+        lengths = np.array([0 if s == EOS else len(s.encode("utf8")) + 1 for s in vocab])
+    return np.cumsum(lengths[ids], dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------------- convert
@@ -398,6 +484,11 @@ def _check_shapes(weights: dict[str, Tensor], config: ModelConfig) -> None:
     """Every converted tensor has the shape adaspan's model expects (one-line error if not)."""
     with torch.device("meta"):
         expected = SpanLM(config).state_dict()
+    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise OfficialFormatError(
+            f"the converted tensors are not those of adaspan's model: missing "
+            f"{', '.join(missing[:3]) or 'none'}, extra {', '.join(extra[:3]) or 'none'}")
     for name, tensor in expected.items():
         if weights[name].shape != tensor.shape:
             raise OfficialFormatError(
@@ -411,7 +502,11 @@ def describe(config: ModelConfig, memory: bool) -> str:
     if memory:
         attention = (f"{config.persistent_span} span attention with {config.persistent_size} "
                      f"persistent vectors{'' if config.feed_forward else ', no feed-forward'}")
+    io = ""
+    if config.adaptive_io:
+        io = (f", adaptive input/output (cutoffs {config.cutoffs}, div_val {config.div_val}, "
+              f"{'tied' if config.tie_io else 'untied'})")
     return (f"{attention}, {config.n_layers} layers x {config.n_heads} heads, "
             f"d_model={config.d_model}, S={config.max_span}, R={config.ramp}, "
-            f"vocabulary of {config.vocab_size} symbols")
+            f"vocabulary of {config.vocab_size} symbols{io}")
 

@@ -32,14 +32,15 @@ _CPU_TRAIN = {"data": "kjv", "optimizer": "adamw", "lr": 3e-3, "clip": 1.0, "cli
 
 
 def _cpu(model: dict, steps: int, batch: tuple[int, int], warmup: int, every: int, log: int,
-         eval_chars: int, description: str) -> dict:
+         eval_chars: int, description: str, train: dict | None = None) -> dict:
     """A preset with the CPU recipe above: ``steps`` of ``batch`` (streams, block size), with
-    validation and a checkpoint ``every`` steps, a log line every ``log`` steps."""
+    validation and a checkpoint ``every`` steps, a log line every ``log`` steps; ``train``:
+    more train options."""
     schedule = {"batch_size": batch[0], "block_size": batch[1], "steps": steps,
                 "warmup": warmup, "eval_interval": every, "checkpoint_interval": every,
                 "log_interval": log, "eval_chars": eval_chars}
     return {"description": description, "model": {**_CPU_MODEL, **model},
-            "train": {**_CPU_TRAIN, **schedule}}
+            "train": {**_CPU_TRAIN, **schedule, **(train or {})}}
 
 
 PRESETS: dict[str, dict] = {
@@ -62,6 +63,38 @@ PRESETS: dict[str, dict] = {
         {"n_layers": 4, "d_model": 256, "d_inner": 1024, "max_span": 1024},
         steps=2500, batch=(16, 128), warmup=200, every=250, log=50, eval_chars=65_536,
         description="4-layer model for a 2-core CPU, ~40 minutes (bundled King James Bible)",
+    ),
+    "wt103-all-attention": {
+        "description": "persistent-memory paper's all-attention network on WikiText-103 (not "
+                       "run by adaspan; pass data=DIR of wiki.train/valid/test.tokens renamed "
+                       "train/valid/test.txt): 36 layers, 2048 persistent vectors, adaptive "
+                       "input and softmax, 267,735 words",
+        "model": {"attention": "persistent", "persistent_span": "adaptive",
+                  "persistent_size": 2048, "feed_forward": False, "n_layers": 36,
+                  "d_model": 512, "n_heads": 8, "max_span": 2048, "ramp": 32,
+                  "span_loss_coef": 5e-7, "dropout": 0.3, "vocab_size": 267_735,
+                  "adaptive_io": True, "cutoffs": "20000,40000,200000", "div_val": 4,
+                  "tie_io": True},
+        "train": {"data": "wikitext-103", "tokenizer": "words", "batch_size": 64,
+                  "block_size": 256, "optimizer": "adamw", "lr": 2.5e-4, "weight_decay": 0.0,
+                  "warmup": 8000, "clip": 1.0, "clip_mode": "per-tensor-lr",
+                  "steps": 850_000, "lr_drop_steps": 50_000, "batch_split": 2,
+                  "eval_interval": 1000, "checkpoint_interval": 1000},
+    },
+    "words-small": _cpu(
+        {"n_layers": 3, "d_model": 192, "d_inner": 768, "max_span": 512, "vocab_size": 8192,
+         "adaptive_io": True, "cutoffs": "1024,4096", "div_val": 4},
+        steps=2000, batch=(8, 64), warmup=100, every=400, log=100, eval_chars=8192,
+        description="the demo's model on words of the bundled corpus (8,192-word vocabulary, "
+                    "adaptive input and softmax), ~4 minutes on a CPU",
+        train={"tokenizer": "words"},
+    ),
+    "bpe-small": _cpu(
+        {"n_layers": 3, "d_model": 192, "d_inner": 768, "max_span": 512, "vocab_size": 2048},
+        steps=2000, batch=(8, 64), warmup=100, every=400, log=100, eval_chars=8192,
+        description="the demo's model on byte-level BPE tokens of the bundled corpus (2,048 "
+                    "trained on its train split), ~4 minutes on a CPU",
+        train={"tokenizer": "bpe"},
     ),
     "demo": _cpu(
         {"n_layers": 3, "d_model": 192, "d_inner": 768, "max_span": 512},

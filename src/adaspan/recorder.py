@@ -36,11 +36,14 @@ class LossWindow:
 
 
 class Recorder:
-    """Records of a call that trains ``steps`` steps of ``chars_per_step`` characters, written
-    to ``metrics`` (None: this process writes none, e.g. a rank other than 0)."""
+    """Records of a call that trains ``steps`` steps of ``chars_per_step`` tokens (each a
+    ``unit``: a byte, a word, ...), written to ``metrics`` (None: this process writes none,
+    e.g. a rank other than 0). The key ``chars_per_s`` counts tokens whatever they are."""
 
-    def __init__(self, metrics: MetricsLog | None, chars_per_step: int, steps: int) -> None:
+    def __init__(self, metrics: MetricsLog | None, chars_per_step: int, steps: int,
+                 unit: str = "char") -> None:
         self.metrics, self.chars_per_step, self.steps = metrics, chars_per_step, steps
+        self.unit = "char" if unit == "character" else unit
         self.window = LossWindow()
         self.trained = (0, 0.0)  # steps and seconds of training of this call, at the last record
         self.last: dict = {"train_bpc": None, "valid_bpc": None, "lr": None}
@@ -99,7 +102,7 @@ class Recorder:
         """``record`` as one line of the training log."""
         return (f"step {record['step']}/{self.steps} | train bpc {bpc(record['train_bpc'])} | "
                 f"valid bpc {bpc(record['valid_bpc'])} | lr {record['lr']:.3g} | "
-                f"{record['chars_per_s'] or 0:,.0f} chars/s | "
+                f"{record['chars_per_s'] or 0:,.0f} {self.unit}s/s | "
                 f"span avg {record['avg_span']:.0f} max {record['max_span']:.0f}")
 
     @staticmethod

@@ -21,9 +21,9 @@ from .config import ModelConfig, TrainConfig
 from .memory import step_peak_memory
 from .metrics import read_metrics
 from .model import SpanLM
-from .official import run_codec
 from .page import report_page
 from .registry import name_of
+from .tokens import run_codec
 
 REPORT_FILE = "report.html"
 DATA_FILE = "report.json"  # the numbers the figures are drawn from
@@ -113,7 +113,7 @@ def dynamic_spans(model: SpanLM, tokens: Sequence[int]) -> list[list[float]]:
     vary per token (:attr:`adaspan.span.Span.input_dependent`)."""
     was_training = model.training
     model.eval()
-    block = torch.tensor([list(tokens)], device=model.embed.weight.device)
+    block = torch.tensor([list(tokens)], device=model.device)
     model(block, model.empty_cache(1, keys_values=True))
     model.train(was_training)
     return [layer.attn.span.last_spans()[0].mean(dim=0).tolist() for layer in model.layers]
@@ -178,7 +178,7 @@ def report_data(model: SpanLM, train_config: TrainConfig, run_dir: Path, text: s
                   "parameters": model.num_parameters(), "learned_spans": span_type.learned}
     if span_type.input_dependent:
         text = text if text is not None else default_text(train_config)
-        tokens = run_codec(run_dir).encode(text.encode())  # bytes, or a converted run's ids
+        tokens = run_codec(run_dir).encode(text.encode()).ids.tolist()  # the run's token ids
         data["dynamic"] = {"text": text, "spans": dynamic_spans(model, list(tokens)),
                            "meaning": span_type.token_span}
     data["head_spans"] = analysis.head_span_history(run_events(run_dir))

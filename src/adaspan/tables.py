@@ -22,15 +22,28 @@ def span_table(spans: list[list[float]]) -> str:
     return "\n".join(rows)
 
 
+BYTE_UNITS = ("byte", "character")  # a token is one byte of text: bpc says it all
+
+
 def evaluation_text(result: dict, unit: str) -> str:
     """The result of ``adaspan evaluate`` (:func:`adaspan.evaluate.evaluate`, with its
     ``split``, ``data`` and precision): the bpc, then what was scored and how, indented, and
     the bpc ``by_distance`` where the result has it; ``unit``: what a token is."""
-    lines = [f"{result['data']} {result['split']}: {result['bpc']:.4f} bpc over "
-             f"{result['chars']:,} {unit}s", _evaluation_card(result, unit)]
+    lines = [f"{result['data']} {result['split']}: {score_text(result, unit)}",
+             _evaluation_card(result, unit)]
     if "by_distance" in result:
         lines.append(_by_distance(result["by_distance"]))
     return "\n".join(lines)
+
+
+def score_text(result: dict, unit: str) -> str:
+    """The score of an evaluation ``result`` as fits what a token is (``unit``): bpc for bytes;
+    otherwise bits per byte of the text, so that tokenizers compare, and per-token perplexity."""
+    if unit in BYTE_UNITS:
+        return f"{result['bpc']:.4f} bpc over {result['chars']:,} {unit}s"
+    return (f"{result['bpc']:.4f} bits per byte over {result['bytes']:,} bytes; perplexity "
+            f"{result['perplexity']:,.2f} per {unit} ({result['bits_per_token']:.4f} bits) over "
+            f"{result['chars']:,} {unit}s")
 
 
 def _evaluation_card(result: dict, unit: str) -> str:

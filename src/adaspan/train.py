@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as torch_dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
@@ -36,7 +35,7 @@ from .attention import use_kernel
 from .cache import StreamCache
 from .checkpoint import RunComplete, RunDir, TrainingState, stored_form
 from .config import ConfigError, ModelConfig, TrainConfig
-from .data import BlockStream, Corpus, load_corpus
+from .data import BlockStream, load_corpus
 from .distributed import Distributed, resolve_device, use_threads
 from .errors import UserError
 from .evaluate import evaluate
@@ -45,6 +44,7 @@ from .model import SpanLM
 from .optim import build_optimizer, build_scheduler, lr_factor, step_with_tensor_clip
 from .precision import Precision, choose
 from .recorder import Recorder
+from .tokens import TokenCorpus, check_vocab, encode_corpus, run_tokenizer, saved_tokenizer
 from .watch import SpanWatch
 
 
@@ -80,8 +80,9 @@ def train_step(
         last = k == slices - 1
         with nullcontext() if last or net is model else net.no_sync():
             with precision.applied():
-                log_probs, part_cache = net(x[part], cache.rows(part).layers)
-                nll = F.nll_loss(log_probs.flatten(0, 1).float(), y[part].flatten())
+                target_log_probs, part_cache = net(x[part], cache.rows(part).layers,
+                                                   targets=y[part])
+                nll = -target_log_probs.mean(dtype=torch.float64).float()
                 loss = (nll + model.span_loss()) / slices
             loss.backward()
         nll_total += nll.detach() / slices
@@ -161,7 +162,7 @@ class Run:
     device: torch.device
     dist: Distributed
     progress: bool
-    corpus: Corpus
+    corpus: TokenCorpus
     model: SpanLM
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -198,7 +199,7 @@ def build_run(
     if complete is not None:
         return complete
     _seed_everything(config.seed + dist.rank)
-    corpus = _load_corpus(config, dist, progress)
+    corpus = _load_tokens(model_config, config, run_dir, resume, dist, progress)
     available = memory_available(device, config, dist)
     model = SpanLM(model_config).to(device)
     use_kernel(model, config.kernel)
@@ -217,19 +218,26 @@ def build_run(
                                    available)  # before any write
     config = replace(config, batch_split=dist.largest([memory.split])[0])
     if dist.is_main and not resuming:
-        run_dir.create(model_config, config)
+        run_dir.create(model_config, config, files={run_dir.tokenizer_file: corpus.tokenizer.save})
     return Run(config, run_dir, device, dist, progress, corpus, model, optimizer, scheduler,
                state, memory, choose(config.dtype, device, "train"))
 
 
-def _load_corpus(config: TrainConfig, dist: Distributed, progress: bool) -> Corpus:
-    """The corpus, downloaded by rank 0 alone if it is not cached yet."""
+def _load_tokens(model_config: ModelConfig, config: TrainConfig, run_dir: RunDir, resume: bool,
+                 dist: Distributed, progress: bool) -> TokenCorpus:
+    """The train and valid splits as the run's tokens: the tokenizer saved in the run
+    (``resume``) or built on the train split. Rank 0 alone downloads the corpus, builds the
+    tokenizer and fills the caches if they are not there yet; the others then read them."""
     if not dist.is_main:
         dist.barrier()
     corpus = load_corpus(config.data, config.data_dir, progress=progress)
+    tokenizer = (saved_tokenizer(run_dir) if resume else
+                 run_tokenizer(config, corpus, model_config.vocab_size, progress))
+    check_vocab(model_config, tokenizer)
+    tokens = encode_corpus(corpus, tokenizer, config.data_dir, progress, ("train", "valid"))
     if dist.is_main:
         dist.barrier()
-    return corpus
+    return tokens
 
 
 def _empty_cache(model: SpanLM, config: TrainConfig, dist: Distributed) -> StreamCache:
@@ -249,7 +257,8 @@ class _Loop:
         self.rows = self.dist.rows(config.batch_size)
         metrics = (run.run_dir.metrics_log(self.state.step, config.tensorboard)
                    if self.dist.is_main else None)
-        self.recorder = Recorder(metrics, config.batch_size * config.block_size, config.steps)
+        self.recorder = Recorder(metrics, config.batch_size * config.block_size, config.steps,
+                                 run.corpus.tokenizer.unit)
         self.spans = SpanWatch(self.model.config, config.warmup)
         self.memory = MemoryWatch(self.model, self.dist, config.batch_size, run.memory.available)
         self.saved_step = self.state.step if self.state.step else None  # last checkpoint
@@ -350,7 +359,7 @@ class _Loop:
 
     def _record(self, nll: float, validate: bool) -> None:
         """Write one metrics record (all ranks take part: the train loss is averaged)."""
-        train_bpc = self.dist.mean(nll / math.log(2))
+        train_bpc = self.dist.mean(nll / math.log(2)) / self.run.corpus.bytes_per_token()
         spans = self.model.spans()
         record = self.recorder.record(
             self.state.step, train_bpc, _validate(self.run) if validate else None, spans,
@@ -389,7 +398,7 @@ def _validate(run: Run) -> float:
     config = run.config
     return evaluate(run.model, run.corpus.valid, batch_size=config.batch_size // config.batch_split,
                     block_size=config.block_size, max_chars=config.eval_chars,
-                    dtype=run.precision, dist=run.dist)["bpc"]
+                    dtype=run.precision, dist=run.dist, ends=run.corpus.ends("valid"))["bpc"]
 
 
 def _continue(run_dir: RunDir) -> str:
@@ -402,9 +411,10 @@ def _describe(run: Run) -> str:
     config, state = run.config, run.state
     where = f"resuming at step {state.step:,}" if state.step else "starting"
     processes = f" x {run.dist.world_size} processes" if run.dist.active else ""
+    unit = run.corpus.tokenizer.unit
     return (f"{run.run_dir}: {where}; {run.model.num_parameters():,} parameters, "
-            f"{run.corpus.name} ({len(run.corpus.train):,} train chars), "
-            f"{config.steps:,} steps of {config.batch_size}x{config.block_size} chars, "
+            f"{run.corpus.name} ({len(run.corpus.train):,} train {unit}s), "
+            f"{config.steps:,} steps of {config.batch_size}x{config.block_size} {unit}s, "
             f"{config.optimizer} lr {config.lr:g}, on {run.device}{processes} "
             f"({torch.get_num_threads()} CPU threads) in {run.precision.describe()}; "
             f"memory {run.memory.describe()}")
