@@ -26,17 +26,14 @@ and ``cases.json``: the sizes, the texts of the data directory (their format: wo
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import random
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from make_persistent_fixture import authors_code, write_fixture  # beside this script
 
 from adaspan.official import build_vocab, encode_split
 
@@ -120,15 +117,7 @@ def check_clusters(tokens: list[int], vocab_size: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("code", help="directory of the authors' models.py")
-    parser.add_argument("--out", default="tests/fixtures/adaptive_io")
-    args = parser.parse_args()
-    sys.path.insert(0, str(Path(args.code).resolve()))
-    import models  # the authors' code
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    models, out = authors_code(__doc__.split("\n\n")[0], "tests/fixtures/adaptive_io")
     splits = texts()
     with tempfile.TemporaryDirectory() as folder:
         for split, text in splits.items():
@@ -136,18 +125,13 @@ def main() -> None:
         vocab = build_vocab(folder)
         tokens = encode_split(folder, SPLIT, vocab).tolist()
     check_clusters(tokens, len(vocab))
-    for case, options in CASES.items():
-        model = authors_model(models, len(vocab), **options)
-        state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-        save_file(state, out / f"{case}.safetensors")
-        np.save(out / f"{case}.npy", authors_logprobs(model, tokens))
-    case = {"max_span": S, "ramp": R, "d_model": D, "n_heads": HEADS, "n_layers": LAYERS,
-            "d_inner": INNER, "cutoffs": CUTOFFS, "div_val": DIV_VAL, "vocab_size": len(vocab),
-            "cases": CASES, "current_val": CURRENT_VAL, "texts": splits, "split": SPLIT,
-            "tokens": tokens}
-    lines = (f"{json.dumps(key)}: {json.dumps(value)}" for key, value in case.items())
-    (out / "cases.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
-    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+    cases = {case: authors_model(models, len(vocab), **options)
+             for case, options in CASES.items()}
+    write_fixture(out, cases, authors_logprobs, tokens, {
+        "max_span": S, "ramp": R, "d_model": D, "n_heads": HEADS, "n_layers": LAYERS,
+        "d_inner": INNER, "cutoffs": CUTOFFS, "div_val": DIV_VAL, "vocab_size": len(vocab),
+        "cases": CASES, "current_val": CURRENT_VAL, "texts": splits, "split": SPLIT,
+        "tokens": tokens})
 
 
 if __name__ == "__main__":

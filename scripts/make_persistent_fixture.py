@@ -22,11 +22,14 @@ the split scored and its token ids under their vocabulary.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -91,32 +94,47 @@ def authors_logprobs(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
     return log_probs[0, torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].numpy()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def authors_code(description: str, default_out: str) -> tuple[ModuleType, Path]:
+    """The authors' ``models`` module (its folder from the command line) and the fixture
+    folder (``--out``, made): what every fixture script starts with."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("code", help="directory of the authors' models.py")
-    parser.add_argument("--out", default="tests/fixtures/persistent")
+    parser.add_argument("--out", default=default_out)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(args.code).resolve()))
-    import models  # the authors' code
-
+    models = importlib.import_module("models")  # the authors' code
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    return models, out
+
+
+def write_fixture(out: Path, cases: dict[str, torch.nn.Module], logprobs: Callable,
+                  tokens: list[int], sizes: dict) -> None:
+    """For each case its weights (``<case>.safetensors``, tied tensors cloned apart) and the
+    log-probabilities ``logprobs(model, tokens)`` (``<case>.npy``); then ``cases.json``, the
+    ``sizes`` one key a line."""
+    for case, model in cases.items():
+        state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, out / f"{case}.safetensors")
+        np.save(out / f"{case}.npy", logprobs(model, tokens))
+    lines = (f"{json.dumps(key)}: {json.dumps(value)}" for key, value in sizes.items())
+    (out / "cases.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
+    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+
+
+def main() -> None:
+    models, out = authors_code(__doc__.split("\n\n")[0], "tests/fixtures/persistent")
     splits = texts()
     with tempfile.TemporaryDirectory() as folder:
         data = write_data(Path(folder), splits)
         vocab = build_vocab(data)
         tokens = encode_split(data, SPLIT, vocab).tolist()
-    for case in ("adaptive", "fixed"):
-        model = authors_model(models, len(vocab), adaptive=case == "adaptive")
-        state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-        save_file(state, out / f"{case}.safetensors")
-        np.save(out / f"{case}.npy", authors_logprobs(model, tokens))
-    case = {"max_span": S, "ramp": R, "d_model": D, "n_heads": HEADS, "n_layers": LAYERS,
-            "persistent_size": PERSISTENT, "current_val": CURRENT_VAL, "texts": splits,
-            "split": SPLIT, "tokens": tokens}
-    lines = (f"{json.dumps(key)}: {json.dumps(value)}" for key, value in case.items())
-    (out / "cases.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
-    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+    cases = {case: authors_model(models, len(vocab), adaptive=case == "adaptive")
+             for case in ("adaptive", "fixed")}
+    write_fixture(out, cases, authors_logprobs, tokens, {
+        "max_span": S, "ramp": R, "d_model": D, "n_heads": HEADS, "n_layers": LAYERS,
+        "persistent_size": PERSISTENT, "current_val": CURRENT_VAL, "texts": splits,
+        "split": SPLIT, "tokens": tokens})
 
 
 if __name__ == "__main__":

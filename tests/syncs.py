@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
           torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
@@ -71,3 +72,53 @@ class SyncCounter(TorchFunctionMode):
 
     def report(self) -> str:
         return f"{self.count} synchronisations:\n" + "\n".join(self.calls)
+
+
+class Trace(TorchDispatchMode):
+    """Every operator dispatched, with its arguments' shapes, dtypes and strides (tensors) or
+    values (anything else): what a CUDA graph bakes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append((str(func), *map(self._describe, [*args, *kwargs.values()])))
+        return func(*args, **kwargs)
+
+    def _describe(self, arg):
+        if isinstance(arg, torch.Tensor):
+            return tuple(arg.shape), arg.dtype, arg.stride()
+        if isinstance(arg, list | tuple):
+            return tuple(map(self._describe, arg))
+        return arg
+
+
+def _addresses(step) -> dict[str, int]:
+    """The data addresses of the static decoder's tensors and of its layers'."""
+    owners = {"decoder": step, **{f"layer {i}": layer for i, layer in enumerate(step.layers)}}
+    return {f"{owner}.{name}": value.data_ptr() for owner, obj in owners.items()
+            for name, value in vars(obj).items() if isinstance(value, torch.Tensor)}
+
+
+def assert_static_steps(model, tokens: torch.Tensor, prompt: int = 5) -> None:
+    """What a CUDA graph's capture needs of :class:`adaspan.decode.StaticDecoder`, stepped
+    through ``tokens`` after the first ``prompt``: each step reads the token from the same
+    device tensor and writes the same output buffer, every operator sees the same shapes and
+    arguments (no position baked in), and nothing is read from or built on the host."""
+    from adaspan.decode import StaticDecoder
+
+    with torch.no_grad():
+        _, cache = model(tokens[None, :prompt], model.empty_cache(1, keys_values=True))
+        step = StaticDecoder(model, cache, prompt)
+        addresses, traces, outputs = _addresses(step), [], []
+        for token in tokens[prompt:]:
+            step.token.copy_(token)
+            with SyncCounter() as syncs, Trace() as trace:
+                outputs.append(step.step())
+            assert syncs.count == 0, syncs.report()
+            traces.append(trace.ops)
+    assert _addresses(step) == addresses
+    assert {out.data_ptr() for out in outputs} == {step.log_probs_row.data_ptr()}
+    assert all(ops == traces[0] for ops in traces)

@@ -12,15 +12,14 @@ import torch
 import torch.nn.functional as F
 from helpers import tiny
 from safetensors.torch import load_file, save_file
-from syncs import SyncCounter
-from test_generate import _addresses, _Trace
+from syncs import SyncCounter, assert_static_steps
 
 from adaspan import ModelConfig, SpanLM
 from adaspan.adaptive_io import AdaptiveInput, AdaptiveSoftmax, Clusters
 from adaspan.analysis import flops_per_char
 from adaspan.cache import StreamCache
 from adaspan.config import ConfigError, TrainConfig
-from adaspan.decode import Decoder, StaticDecoder, decoder
+from adaspan.decode import Decoder, decoder
 from adaspan.generate import stream
 from adaspan.model import Softmax, parameter_count
 from adaspan.optim import build_optimizer, build_scheduler
@@ -357,20 +356,8 @@ def test_decoders_give_the_log_probabilities_of_the_model_forward(changes, stati
 def test_the_static_step_keeps_its_buffers_and_shapes_and_never_synchronises():
     """As test_generate's for the byte model: what a CUDA graph's capture needs."""
     model = adaptive()
-    tokens = torch.randint(0, 32, (80,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        _, cache = model(tokens[None, :5], model.empty_cache(1, keys_values=True))
-        step = StaticDecoder(model, cache, 5)
-        addresses, traces, outputs = _addresses(step), [], []
-        for token in tokens[5:]:
-            step.token.copy_(token)
-            with SyncCounter() as syncs, _Trace() as trace:
-                outputs.append(step.step())
-            assert syncs.count == 0, syncs.report()
-            traces.append(trace.ops)
-    assert _addresses(step) == addresses
-    assert {out.data_ptr() for out in outputs} == {step.log_probs_row.data_ptr()}
-    assert all(ops == traces[0] for ops in traces)
+    assert_static_steps(model, torch.randint(0, 32, (80,),
+                                             generator=torch.Generator().manual_seed(1)))
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["host-position", "static"])

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import baseline_variants, span_variants, tiny
-from syncs import SyncCounter
-from torch.utils._python_dispatch import TorchDispatchMode
+from syncs import SyncCounter, assert_static_steps
 
-from adaspan.decode import Decoder, StaticDecoder, decoder
+from adaspan.decode import Decoder, decoder
 from adaspan.generate import generate, stream
 
 
@@ -47,54 +46,13 @@ def test_decoder_gives_the_log_probabilities_of_one_forward_pass(name, changes, 
                                expected[0, prompt:], atol=2e-5, rtol=0)
 
 
-class _Trace(TorchDispatchMode):
-    """Every operator dispatched, with its arguments' shapes, dtypes and strides (tensors) or
-    values (anything else): what a CUDA graph bakes in."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.ops.append((str(func), *map(self._describe, [*args, *kwargs.values()])))
-        return func(*args, **kwargs)
-
-    def _describe(self, arg):
-        if isinstance(arg, torch.Tensor):
-            return tuple(arg.shape), arg.dtype, arg.stride()
-        if isinstance(arg, list | tuple):
-            return tuple(map(self._describe, arg))
-        return arg
-
-
-def _addresses(step: StaticDecoder) -> dict[str, int]:
-    """The data addresses of the static decoder's tensors and of its layers'."""
-    owners = {"decoder": step, **{f"layer {i}": layer for i, layer in enumerate(step.layers)}}
-    return {f"{owner}.{name}": value.data_ptr() for owner, obj in owners.items()
-            for name, value in vars(obj).items() if isinstance(value, torch.Tensor)}
-
-
 @pytest.mark.parametrize("name", span_variants())
 def test_the_static_step_keeps_its_buffers_and_shapes_and_never_synchronises(name):
     """What a CUDA graph's capture needs: each step reads the token from the same device
     tensor and writes the same output buffer, every operator sees the same shapes and
     arguments (no position baked in), and nothing is read from or built on the host."""
     model = tiny(name, vocab_size=256)
-    tokens = _tokens(model, 80)[0]
-    with torch.no_grad():
-        _, cache = model(tokens[None, :5], model.empty_cache(1, keys_values=True))
-        step = StaticDecoder(model, cache, 5)
-        addresses, traces, outputs = _addresses(step), [], []
-        for token in tokens[5:]:  # past the ring's wrap (W <= S = 64)
-            step.token.copy_(token)
-            with SyncCounter() as syncs, _Trace() as trace:
-                outputs.append(step.step())
-            assert syncs.count == 0, syncs.report()
-            traces.append(trace.ops)
-    assert _addresses(step) == addresses
-    assert {out.data_ptr() for out in outputs} == {step.log_probs_row.data_ptr()}
-    assert all(ops == traces[0] for ops in traces)
+    assert_static_steps(model, _tokens(model, 80)[0])  # past the ring's wrap (W <= S = 64)
 
 
 @pytest.mark.parametrize("name", baseline_variants())

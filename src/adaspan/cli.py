@@ -658,9 +658,9 @@ def _convert_official(args: argparse.Namespace) -> int:
     """Import a checkpoint of the authors' code as an adaspan run.
 
     Convert a checkpoint written by the training script of the paper's authors
-    (facebookresearch/adaptive-span, with or without persistent memory, no adaptive
-    input/output) into an
-    adaspan run directory with the same log-probabilities (see docs/official.md)."""
+    (facebookresearch/adaptive-span, with or without persistent memory, with or without
+    adaptive input/output) into an adaspan run directory with the same log-probabilities
+    (see docs/official.md)."""
     from .official import convert
 
     model = convert(args.checkpoint, args.out_dir, args.data, args.ramp, args.dropout,

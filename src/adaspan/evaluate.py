@@ -92,11 +92,12 @@ def evaluate(
 def scores(nll: float, tokens: int, covered: int) -> dict:
     """The figures of a total negative log-likelihood ``nll`` (nats) of ``tokens`` targets
     covering ``covered`` bytes of text: ``bpc`` (bits per byte), ``loss`` (nats per token),
-    ``perplexity`` (per token), ``bits_per_token``, ``bytes`` and ``chars`` (the targets)."""
+    ``perplexity`` (per token), ``bits_per_token``, ``bytes``, ``chars`` (the targets) and
+    ``bytes_per_token``."""
     loss = nll / tokens
     return {"bpc": nll / covered / math.log(2), "loss": loss,
             "perplexity": math.exp(min(loss, 700.0)), "bits_per_token": loss / math.log(2),
-            "bytes": int(covered), "chars": tokens}
+            "bytes": int(covered), "chars": tokens, "bytes_per_token": covered / tokens}
 
 
 def scored_bytes(ends: np.ndarray, streams: int, stream_len: int) -> int:

@@ -58,8 +58,16 @@ def _evaluation_card(result: dict, unit: str) -> str:
         f"{result['dtype']}{' (TF32)' if result['tf32'] else ''} on {result['device']}",
         f"  cache carried from block to block: {cache}",
         f"  {short:,} {unit}s ({short / result['chars']:.2%}) scored with fewer than the "
-        f"longest span ({longest:.1f}) of {unit}s before them: each stream starts without "
-        "context (--batch-size 1: one stream)"])
+        f"longest span ({longest:.1f}{_in_bytes(longest, result, unit)}) of {unit}s before "
+        "them: each stream starts without context (--batch-size 1: one stream)"])
+
+
+def _in_bytes(tokens: float, result: dict, unit: str) -> str:
+    """`` {unit}s, ~N bytes``: a length in tokens also in bytes of text, at the evaluation's
+    average bytes per token (nothing for bytes)."""
+    if unit in BYTE_UNITS:
+        return ""
+    return f" {unit}s, ~{tokens * result['bytes_per_token']:,.0f} bytes"
 
 
 def _by_distance(groups: list[dict]) -> str:
