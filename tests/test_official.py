@@ -484,6 +484,11 @@ def test_adaptive_io_checkpoint_matches_the_authors_code(name, adaptive_io_case,
         np.testing.assert_allclose(model.spans(), want, atol=1e-4)
     got, _ = scored(run, data, tmp_path, "--split", case["split"])
     np.testing.assert_allclose(got, np.load(ADAPTIVE_IO / f"{name}.npy"), rtol=0, atol=1e-4)
+    # per word and per byte of the text their files stand for: a word and the space after it
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    targets = word_symbols(case["texts"][case["split"]])[1:]
+    assert result["bytes"] == sum(0 if s == "<eos>" else len(s.encode()) + 1 for s in targets)
+    assert result["perplexity"] == pytest.approx(math.exp(-got.astype(float).mean()), rel=1e-5)
 
 
 def _drop(state: dict, name: str) -> dict:
