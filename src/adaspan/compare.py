@@ -38,6 +38,7 @@ from .plots import PlotError, compare_figure, png_bytes, require_plots, span_lim
 from .precision import choose
 from .registry import ATTENTIONS
 from .report import run_events
+from .tokenizer import TOKENIZERS
 from .tokens import run_split
 from .train import train
 
@@ -298,7 +299,8 @@ def _budget(train_config: TrainConfig) -> str:
 
 def _caption(train_config: TrainConfig, eval_chars: int | None, device: torch.device) -> str:
     budget = _budget(train_config)
-    scope = f"first {eval_chars:,} characters (a prefix)" if eval_chars else "whole split"
+    unit = TOKENIZERS[train_config.tokenizer].unit
+    scope = f"first {eval_chars:,} {unit}s (a prefix)" if eval_chars else "whole split"
     trained, scored = (choose(train_config.dtype, device, job).describe()
                        for job in ("train", "score"))
     return (f"{train_config.data} ({train_config.tokenizer} tokens): every method trained for "
