@@ -3,12 +3,14 @@
 # kernel against the CPU, fp32 and bf16; the decode step captured in a CUDA graph), then adaspan
 # against the authors' code on the GPU (the race and reference configurations, 3 alternating
 # rounds), then generation at batch 1 in fp32 and bf16 (the eager decoder against the graph
-# replayed), then one JSON line with the results. Run from the repository root, in an environment where
+# replayed), then `adaspan bench` of the words-small (adaptive input and softmax) and bpe-small
+# presets, then one JSON line with the results. Run from the repository root, in an environment where
 # `pip install -e ".[dev]"` installed adaspan with a CUDA build of torch:
 #
 #     bash scripts/gpu_check.sh [path/to/bench_official.py]
 #
-# Figures are written to gpu_check/ (tests.txt, against_official.json, generation.json).
+# Figures are written to gpu_check/ (tests.txt, against_official.json, generation.json,
+# bench-words-small.json, bench-bpe-small.json).
 set -uo pipefail
 official=${1:-../shared/anchors/bench_official.py}
 out=gpu_check
@@ -22,11 +24,20 @@ python scripts/against_official.py --official "$official" --configs race,referen
 bench_rc=$?
 python scripts/generation_speed.py --device cuda --paths decoder,static --chars 500 --runs 3 \
   > "$out/generation.json" 2> "$out/generation.txt"
+for preset in words-small bpe-small; do
+  adaspan bench --preset "$preset" --device cuda --json > "$out/bench-$preset.json" \
+    2> "$out/bench-$preset.txt"
+done
 python - "$out" "$tests_rc" "$bench_rc" <<'PY'
 import json, pathlib, sys, torch
 out, tests_rc, bench_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 lines = (out / "generation.json").read_text().strip().splitlines()
 generation = json.loads(lines[-1]) if lines else None
+tokens = {}
+for preset in ("words-small", "bpe-small"):
+    text = (out / f"bench-{preset}.json").read_text().strip().splitlines()
+    tokens[preset] = ({k: v for k, v in json.loads(text[-1]).items()
+                       if k.endswith(("_per_s", "bytes_per_token"))} if text else None)
 summary = (out / "tests.txt").read_text().strip().splitlines()[-1:]
 results = []
 if bench_rc == 0:
@@ -35,6 +46,7 @@ if bench_rc == 0:
                for r in json.loads((out / "against_official.json").read_text())]
 print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "tests_passed": tests_rc == 0, "tests": summary, "against_authors": results,
-                  "against_authors_ok": bench_rc == 0, "generation": generation}))
+                  "against_authors_ok": bench_rc == 0, "generation": generation,
+                  "tokens_bench": tokens}))
 sys.exit(tests_rc or bench_rc)
 PY

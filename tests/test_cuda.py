@@ -3,7 +3,8 @@ every variant on CUDA equals the CPU in fp32 and stays close in bf16, the band k
 its naive reference there, steady evaluation blocks make no host-device synchronisation
 (``torch.cuda.set_sync_debug_mode("error")``) and a training step at most one (the spans),
 generation's static step replayed from a CUDA graph equals the same step run eagerly and waits
-for nothing, and the memory estimate holds against ``torch.cuda.max_memory_allocated``."""
+for nothing, the memory estimate holds against ``torch.cuda.max_memory_allocated``, and
+adaptive input and softmax equal the CPU."""
 
 from __future__ import annotations
 
@@ -137,3 +138,38 @@ def test_the_memory_estimate_holds_on_cuda():
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - before + estimate.weights
     assert 0.75 * measured <= estimate.total <= 1.25 * measured, (estimate, measured)
+
+
+@pytest.mark.parametrize("tie_io", [True, False])
+def test_adaptive_input_and_softmax_on_cuda(tie_io):
+    """Adaptive input and softmax on CUDA equal the CPU (the targets' log-probabilities and the
+    full distribution), and a steady training step waits once more than the spans' read: the
+    clusters' target counts."""
+    model = tiny("fixed", vocab_size=64, adaptive_io=True, cutoffs="8,24", div_val=2,
+                 tie_io=tie_io)
+    tokens = torch.randint(0, 64, (2, 25))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    expected, _ = model(x, targets=y)
+    full, _ = model(x)
+    model.to(CUDA)
+    got, _ = model(x.to(CUDA), targets=y.to(CUDA))
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model(x.to(CUDA))[0].cpu(), full, atol=1e-4, rtol=1e-4)
+    config = TrainConfig(batch_size=2, optimizer="adamw", lr=1e-6, warmup=0, clip=1.0,
+                         dtype="float32")
+    optimizer = build_optimizer(model.train(), config)
+    scheduler = build_scheduler(optimizer, config)
+    cache = StreamCache(model.empty_cache(2))
+    x, y = x.to(CUDA), y.to(CUDA)
+    for _ in range(2):
+        _, cache = train_step(model, optimizer, scheduler, x, y, cache, config)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_step(model, optimizer, scheduler, x, y, cache, config)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ours = [w for w in caught if "synchroniz" in str(w.message)
+            and "torch/optim" not in (w.filename or "")]
+    assert len(ours) <= 1, [str(w.message) for w in ours]
