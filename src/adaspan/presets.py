@@ -86,14 +86,14 @@ PRESETS: dict[str, dict] = {
          "adaptive_io": True, "cutoffs": "1024,4096", "div_val": 4, "tie_io": False},
         steps=2000, batch=(8, 64), warmup=100, every=400, log=100, eval_chars=8192,
         description="the demo's model on words of the bundled corpus (8,192-word vocabulary, "
-                    "adaptive input and softmax, untied), ~4 minutes on a CPU",
+                    "adaptive input and softmax, untied), ~3 minutes on a 2-core CPU",
         train={"tokenizer": "words"},
     ),
     "bpe-small": _cpu(
         {"n_layers": 3, "d_model": 192, "d_inner": 768, "max_span": 512, "vocab_size": 2048},
         steps=2000, batch=(8, 64), warmup=100, every=400, log=100, eval_chars=8192,
         description="the demo's model on byte-level BPE tokens of the bundled corpus (2,048 "
-                    "trained on its train split), ~4 minutes on a CPU",
+                    "trained on its train split), ~3 minutes on a 2-core CPU",
         train={"tokenizer": "bpe"},
     ),
     "demo": _cpu(
