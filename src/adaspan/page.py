@@ -16,6 +16,7 @@ from . import plots
 from .analysis import span_summary
 from .config import ModelConfig
 from .tables import span_table
+from .tokenizer import TOKENIZERS
 
 # A column of a table of rows: row key, header and cell format.
 Column = tuple[str, str, Callable[[object], str]]
@@ -96,14 +97,18 @@ def _header(data: dict, saved: dict, events: list[dict]) -> str:
     valid = [(e["valid_bpc"], e.get("precision")) for e in events
              if e.get("valid_bpc") is not None]
     summary = span_summary(data["spans"])
+    tokenizer = TOKENIZERS[saved.get("train", {}).get("tokenizer", "bytes")]
+    score = (f"last valid bits per byte ({tokenizer.name} tokens)" if tokenizer.learned
+             else "last valid bpc")
     facts = {
         "run directory": str(Path(data["run_dir"]).resolve()),
         "attention": data["attention"],
         "parameters": f"{data['parameters']:,}",
         "steps": f"{last['step']:,}" if last else "no metrics.jsonl",
         "training time": f"{last['elapsed'] / 60:.1f} min" if last.get("elapsed") else "-",
-        "last valid bpc": _validation(*valid[-1]) if valid else "-",
-        "average / longest span": f"{summary['avg_span']:.0f} / {summary['max_span']:.0f} tokens",
+        score: _validation(*valid[-1]) if valid else "-",
+        "average / longest span": f"{summary['avg_span']:.0f} / {summary['max_span']:.0f} "
+                                  f"{tokenizer.unit}s",
     }
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                    for k, v in facts.items())
