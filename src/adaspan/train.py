@@ -413,7 +413,8 @@ def _describe(run: Run) -> str:
     processes = f" x {run.dist.world_size} processes" if run.dist.active else ""
     unit = run.corpus.tokenizer.unit
     return (f"{run.run_dir}: {where}; {run.model.num_parameters():,} parameters, "
-            f"{run.corpus.name} ({len(run.corpus.train):,} train {unit}s), "
+            f"{run.corpus.name} ({len(run.corpus.train):,} train {unit}s, "
+            f"{run.model.config.vocab_size:,} in the vocabulary), "
             f"{config.steps:,} steps of {config.batch_size}x{config.block_size} {unit}s, "
             f"{config.optimizer} lr {config.lr:g}, on {run.device}{processes} "
             f"({torch.get_num_threads()} CPU threads) in {run.precision.describe()}; "
