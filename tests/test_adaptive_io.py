@@ -416,3 +416,20 @@ def test_a_few_training_steps_lower_the_loss():
     # tied embeddings of N(0, 1/d_i) start below twice a uniform guess (2 ln V: where
     # training stops as diverged); N(0, 1) started above it at d_model = 192
     assert losses[0] < 2 * math.log(1000) and losses[-1] < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("preset", ["words-small", "wt103-all-attention"])
+def test_the_word_presets_start_below_where_training_stops_as_diverged(preset):
+    """A fresh model's loss on Zipf-distributed words is under 2 log V, the bound at which
+    train() stops a run as diverged (the WikiText-103 model with 2 of its 36 layers)."""
+    from adaspan.resolve import resolve_config
+
+    config, _ = resolve_config(preset, None, ["n_layers=2"])
+    torch.manual_seed(0)
+    model = SpanLM(config).eval()
+    ranks = torch.arange(1, config.vocab_size + 1, dtype=torch.float64)
+    tokens = torch.multinomial(1 / ranks, 2 * 65, replacement=True,
+                               generator=torch.Generator().manual_seed(0)).view(2, 65)
+    with torch.no_grad():
+        log_probs, _ = model(tokens[:, :-1], targets=tokens[:, 1:])
+    assert -log_probs.mean().item() < 2 * math.log(config.vocab_size)
