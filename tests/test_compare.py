@@ -308,3 +308,14 @@ def test_cli_max_spans(tmp_path, capsys):
         assert exit_info.value.code == 2
         assert "not a list of whole numbers > 0" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_a_comparison_of_bpe_runs_gives_spans_and_flops_per_byte_too(tmp_path):
+    rows = _compare(tmp_path / "bpe", ["fixed", "adaptive"],
+                    ("tokenizer=bpe", "vocab_size=300", f"data_dir={tmp_path / 'cache'}"),
+                    evaluate_test=False)
+    for row in rows:
+        ratio = row["avg_span_bytes"] / row["avg_span"]  # bytes per token of the valid prefix
+        assert 1.5 < ratio < 4  # 300 byte-level BPE tokens of English
+        assert row["flops_per_byte"] == pytest.approx(row["flops_per_char"] / ratio)
+    assert "FLOPs/byte" in (tmp_path / "bpe" / MARKDOWN_FILE).read_text()

@@ -51,7 +51,8 @@ SPAN_LIMIT_FIGURE = "compare_max_spans.png"
 COMPARE_PAGE = "compare.html"
 FOOTNOTES = (
     "FLOPs/char: forward multiply-adds per character (the paper's FLOPS), attention over the "
-    "keys each head uses.",
+    "keys each head uses; for words or BPE, per token, and per byte of text at the valid "
+    "split's bytes per token (FLOPs/byte; spans too), and chars are tokens.",
     "chars/s: training throughput on this machine.",
     "Peak MB: a training step's peak memory at the final spans, estimated as `adaspan train` "
     "does before it starts.",
@@ -78,6 +79,8 @@ COLUMNS: tuple[Column, ...] = (
     ("avg_span", "Avg. span", "{:.0f}".format),
     ("params", "#Params", _si),
     ("flops_per_char", "FLOPs/char", _si),
+    ("avg_span_bytes", "Avg. span, bytes", "{:,.0f}".format),
+    ("flops_per_byte", "FLOPs/byte", _si),
     ("peak_mb", "Peak MB", "{:,.1f}".format),
     ("chars_per_s", "chars/s", "{:,.0f}".format),
     ("steps", "steps", "{:,}".format),
@@ -251,7 +254,8 @@ def _evaluation(model: SpanLM, run_dir: Path, splits: tuple[str, ...],
     stored_file = run_dir / EVALUATION_FILE
     stored = json.loads(stored_file.read_text()) if stored_file.is_file() else {}
     if (stored.get("eval_chars") != eval_chars or not set(keys) <= set(stored.get("bpc", {}))
-            or "peak_mb" not in stored or "precision" not in stored):
+            or "peak_mb" not in stored or "precision" not in stored
+            or "bytes_per_token" not in stored):
         results = [evaluate(model, tokens, block_size=block_size, progress=progress,
                             max_chars=eval_chars, ends=ends)
                    for tokens, _, _, ends in (run_split(run_dir, split, progress=progress)
@@ -261,12 +265,14 @@ def _evaluation(model: SpanLM, run_dir: Path, splits: tuple[str, ...],
         peak = training_estimate(model, train_config, streams)
         stored = {"eval_chars": eval_chars, "bpc": bpc,
                   "precision": results[0]["precision"],
+                  "bytes_per_token": results[0]["bytes_per_token"],
                   "spans": effective_spans(model, block_size),
                   "flops_per_char": flops_per_char(model, block_size),
                   "peak_mb": peak.total / 2**20}
         text = json.dumps(stored) + "\n"
         atomic_write({stored_file: lambda path: path.write_text(text)})
     return {"spans": stored["spans"], "flops_per_char": stored["flops_per_char"],
+            "bytes_per_token": stored["bytes_per_token"],
             "peak_mb": stored["peak_mb"], "eval_precision": stored["precision"]["dtype"],
             **{key: stored["bpc"][key] for key in keys}}
 
@@ -275,13 +281,18 @@ def _row(model: SpanLM, summary: dict, measured: dict, with_limit: bool) -> dict
     """One table row, from the training ``summary`` and what :func:`_evaluation` measured;
     ``with_limit``: with the model's span limit S."""
     limit = {"max_span": model.config.max_span} if with_limit else {}
+    avg_span = span_summary(measured["spans"])["avg_span"]
+    ratio = measured["bytes_per_token"]  # 1 for bytes: no columns per byte
+    per_byte = ({} if ratio == 1 else {"avg_span_bytes": avg_span * ratio,
+                                        "flops_per_byte": measured["flops_per_char"] / ratio})
     return {
         "method": model.config.attention,
         **limit,
         "layers": model.config.n_layers,
-        "avg_span": span_summary(measured["spans"])["avg_span"],
+        "avg_span": avg_span,
         "params": model.num_parameters(),
         "flops_per_char": measured["flops_per_char"],
+        **per_byte,
         "peak_mb": measured["peak_mb"],
         "chars_per_s": summary["chars_per_s"],
         "steps": summary["steps"],
