@@ -103,22 +103,29 @@ def test_a_steady_training_step_waits_at_most_once():
     model = tiny("adaptive").train().to(CUDA)
     config = TrainConfig(batch_size=2, optimizer="adamw", lr=1e-6, warmup=0, clip=1.0,
                          clip_mode="per-tensor-lr", dtype="float32")
-    optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config)
-    cache = StreamCache(model.empty_cache(2))
     x = torch.randint(0, 32, (2, 16), device=CUDA)
+    waits = steady_step_waits(model, config, x, x)
+    assert len(waits) <= 1, waits
+
+
+def steady_step_waits(model: SpanLM, config: TrainConfig, x: torch.Tensor,
+                      y: torch.Tensor) -> list[str]:
+    """The synchronisations CUDA reports in a third training step of ``model`` on ``x``, ``y``
+    (``torch.cuda.set_sync_debug_mode("warn")``), torch.optim's own left out."""
+    optimizer = build_optimizer(model.train(), config)
+    scheduler = build_scheduler(optimizer, config)
+    cache = StreamCache(model.empty_cache(x.shape[0]))
     for _ in range(2):
-        _, cache = train_step(model, optimizer, scheduler, x, x, cache, config)
+        _, cache = train_step(model, optimizer, scheduler, x, y, cache, config)
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _, cache = train_step(model, optimizer, scheduler, x, x, cache, config)
+            train_step(model, optimizer, scheduler, x, y, cache, config)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    ours = [w for w in caught if "synchroniz" in str(w.message)
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)
             and "torch/optim" not in (w.filename or "")]
-    assert len(ours) <= 1, [str(w.message) for w in ours]
 
 
 def test_the_memory_estimate_holds_on_cuda():
@@ -157,19 +164,5 @@ def test_adaptive_input_and_softmax_on_cuda(tie_io):
     torch.testing.assert_close(model(x.to(CUDA))[0].cpu(), full, atol=1e-4, rtol=1e-4)
     config = TrainConfig(batch_size=2, optimizer="adamw", lr=1e-6, warmup=0, clip=1.0,
                          dtype="float32")
-    optimizer = build_optimizer(model.train(), config)
-    scheduler = build_scheduler(optimizer, config)
-    cache = StreamCache(model.empty_cache(2))
-    x, y = x.to(CUDA), y.to(CUDA)
-    for _ in range(2):
-        _, cache = train_step(model, optimizer, scheduler, x, y, cache, config)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            train_step(model, optimizer, scheduler, x, y, cache, config)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    ours = [w for w in caught if "synchroniz" in str(w.message)
-            and "torch/optim" not in (w.filename or "")]
-    assert len(ours) <= 1, [str(w.message) for w in ours]
+    waits = steady_step_waits(model, config, x.to(CUDA), y.to(CUDA))
+    assert len(waits) <= 1, waits

@@ -55,7 +55,7 @@ from .cache import StreamCache
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import resolve_data
 from .distributed import Distributed
-from .errors import UserError
+from .errors import UserError, one_line
 from .files import TEMP_SUFFIX, atomic_write, load_pickled_tensors
 from .metrics import MetricsLog
 from .model import SpanLM
@@ -520,8 +520,7 @@ def _refused_if_unreadable(path: Path) -> Iterator[None]:
     try:
         yield
     except (OSError, SafetensorError, KeyError, ValueError, TypeError) as exc:
-        reason = " ".join(str(exc).split()) or type(exc).__name__
-        raise RunDirError(f"cannot read {path}: {reason}; it is refused as it is: restore "
+        raise RunDirError(f"cannot read {path}: {one_line(exc)}; it is refused as it is: restore "
                           "it from a backup or start the run over") from None
 
 

@@ -162,15 +162,14 @@ class StaticDecoder(_Decoding):
 
     def __init__(self, model: SpanLM, cache: Cache, position: int) -> None:
         super().__init__(model, cache, position, _IndexedLayer)
-        weight = model.layers[0].attn.q.weight
         if self.adaptive_input is None:
             self.embeddings = model.embed.weight.to(self.dtype)
-        self.token = torch.zeros(1, dtype=torch.long, device=weight.device)
-        self.x = torch.empty(1, model.config.d_model, dtype=self.dtype, device=weight.device)
+        self.token = torch.zeros(1, dtype=torch.long, device=model.device)
+        self.x = torch.empty(1, model.config.d_model, dtype=self.dtype, device=model.device)
         # clock[0] = t, clock[1 + j] = j - t: modulo W, the slot of t and the window's column
         # of slot j (each layer's remainder by its own W)
         longest = max(layer.window for layer in self.layers)
-        self.clock = torch.arange(-1, longest, device=weight.device) - position
+        self.clock = torch.arange(-1, longest, device=model.device) - position
         self.clock[0] = position
         self.tick = torch.full_like(self.clock, -1)
         self.tick[0] = 1

@@ -9,3 +9,9 @@ Each module defines the subclasses of its own failures (``config.ConfigError``,
 
 class UserError(Exception):
     """A failure the user can act on; its message says what to change."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line (its type's name if it has none): for an error that
+    quotes another."""
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -1,10 +1,10 @@
 """Sampling text from a trained model, one token at a time with the cache carried.
 
-The prompt is read by the model's forward; each new character by the per-token step of
+The prompt is read by the model's forward; each new token by the per-token step of
 :func:`adaspan.decode.decoder` (for span attention, the batch-1 :class:`adaspan.decode.Decoder`
 on the CPU; on CUDA the :class:`adaspan.decode.StaticDecoder`, captured once in a CUDA graph
-and replayed per character), with one host-device synchronisation per character: reading the
-sampled byte."""
+and replayed per token), with one host-device synchronisation per token: reading the sampled
+id."""
 
 from __future__ import annotations
 

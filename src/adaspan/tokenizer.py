@@ -33,7 +33,7 @@ import numpy as np
 import tokenizers as hf
 from tqdm.auto import tqdm
 
-from .errors import UserError
+from .errors import UserError, one_line
 from .files import atomic_write
 
 EOS, UNK = "<eos>", "<unk>"  # end of line and unknown word (the authors' words convention)
@@ -82,6 +82,10 @@ class Tokenizer(ABC):
     @property
     @abstractmethod
     def vocab_size(self) -> int: ...
+
+    def fits(self, model_vocab: int) -> bool:
+        """Whether a model of ``model_vocab`` tokens is this tokenizer's: exactly its size."""
+        return model_vocab == self.vocab_size
 
     @classmethod
     @abstractmethod
@@ -157,6 +161,10 @@ class ByteTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return 256
+
+    def fits(self, model_vocab: int) -> bool:
+        """Any vocabulary that holds the 256 bytes (more ids are never produced)."""
+        return model_vocab >= 256
 
     @classmethod
     def train(cls, text: bytes | np.ndarray, *, vocab_size: int | None = None,
@@ -336,7 +344,7 @@ class BPETokenizer(Tokenizer):
             return cls(hf.Tokenizer.from_file(str(path)))
         except Exception as exc:  # tokenizers raises plain Exception
             raise TokenizerError(f"{path} is not a Hugging Face tokenizer.json: "
-                                 f"{_one_line(exc)}") from None
+                                 f"{one_line(exc)}") from None
 
     @classmethod
     def from_json(cls, spec: dict[str, Any]) -> BPETokenizer:
@@ -442,7 +450,7 @@ def load(path: str | Path) -> Tokenizer:
     try:
         spec = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise TokenizerError(f"cannot read tokenizer file {path}: {_one_line(exc)}") from None
+        raise TokenizerError(f"cannot read tokenizer file {path}: {one_line(exc)}") from None
     if isinstance(spec, dict) and "adaspan_tokenizer" not in spec and "model" in spec:
         return BPETokenizer.from_file(path)
     name = spec.get("adaspan_tokenizer") if isinstance(spec, dict) else None
@@ -453,7 +461,7 @@ def load(path: str | Path) -> Tokenizer:
         return TOKENIZERS[name].from_json(spec)
     except Exception as exc:  # a damaged file; tokenizers raises plain Exception
         raise TokenizerError(f"{path} is not a valid {name} tokenizer file: "
-                             f"{_one_line(exc)}") from None
+                             f"{one_line(exc)}") from None
 
 
 def _read_for(cls: type[Tokenizer], path: str | Path, text: bytes | np.ndarray) -> Tokenizer:
@@ -662,7 +670,3 @@ def _readable(piece: bytes) -> str:
     text = piece.decode("utf-8", "backslashreplace")
     return "".join("␣" if char == " " else char if char.isprintable()
                    else char.encode("unicode_escape").decode() for char in text)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

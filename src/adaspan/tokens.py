@@ -83,11 +83,9 @@ def run_tokenizer(config: TrainConfig, corpus: Corpus, vocab_size: int,
 
 
 def check_vocab(model_config: ModelConfig, tokenizer: Tokenizer) -> None:
-    """The model's ``vocab_size`` must hold every id of ``tokenizer``: exactly its size, or,
-    for bytes, at least 256."""
+    """The model's ``vocab_size`` must be the tokenizer's (:meth:`Tokenizer.fits`)."""
     size, wanted = model_config.vocab_size, tokenizer.vocab_size
-    enough = size >= wanted if isinstance(tokenizer, ByteTokenizer) else size == wanted
-    if not enough:
+    if not tokenizer.fits(size):
         raise ConfigError(f"vocab_size={size} does not fit the {tokenizer.name} tokenizer, "
                           f"which has {wanted} tokens: set vocab_size={wanted}")
 
