@@ -9,15 +9,15 @@ so the count bounds a step's host time from below (~5-10 us a launch) whatever i
 training step is the forward and backward pass of the mean log-probability plus the span
 penalty (no optimiser step), with hidden states cached; an evaluation block a forward pass
 under ``no_grad`` with a key/value cache; a generated token one step of each decoder of
-:mod:`adaspan.decode` (``decode``: the CPU's :class:`Decoder`; ``static_decode``: the
+:mod:`adaspan.model.decode` (``decode``: the CPU's :class:`Decoder`; ``static_decode``: the
 :class:`StaticDecoder` that CUDA captures in a graph, its token's write included) after a
 prompt of 16 tokens; each counted after one warm-up call. The count is
 that of the ATen operators (views excluded) plus each launch of a Triton kernel of
-:mod:`adaspan.fused`; those are not run (their outputs are left unset) unless ``--run``
+:mod:`adaspan.attention.fused`; those are not run (their outputs are left unset) unless ``--run``
 (Triton's interpreter on the CPU: slow). ``--kernel`` picks the path of every layer
-(:func:`adaspan.attention.use_kernel`): ``fused``, the one CUDA takes; ``grouped``, the CPU's.
-Defaults: the paper's small model with spans spread from 32 to 4096, batch 1. Prints one JSON
-line.
+(:func:`adaspan.attention.span_attention.use_kernel`): ``fused``, the one CUDA takes;
+``grouped``, the CPU's. Defaults: the paper's small model with spans spread from 32 to 4096,
+batch 1. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaspan import ModelConfig, SpanLM, fused
-from adaspan.attention import use_kernel
-from adaspan.decode import Decoder, StaticDecoder
+from adaspan import ModelConfig, SpanLM
+from adaspan.attention import fused
+from adaspan.attention.span_attention import use_kernel
+from adaspan.model.decode import Decoder, StaticDecoder
 
 # ATen operators that only make views: no kernel on a GPU
 VIEWS = {"detach", "view", "_unsafe_view", "alias", "t", "expand", "unsqueeze", "squeeze",

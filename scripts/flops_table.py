@@ -1,6 +1,6 @@
 """FLOPs per character of the paper's configurations, next to its Tables 1-2 and Figure 3.
 
-Counts with :func:`adaspan.analysis.flops_per_char` (the paper's convention: multiply-adds,
+Counts with :func:`adaspan.model.analysis.flops_per_char` (the paper's convention: multiply-adds,
 each head's attention over the span it uses) on models built with the paper's sizes and the
 paper's reported average spans; vocabulary as in the paper (text8: 27 characters and end of
 line). Prints one JSON object, then the Markdown tables of docs/flops.md.
@@ -15,7 +15,7 @@ import json
 import torch
 
 from adaspan import ModelConfig, SpanLM
-from adaspan.analysis import flops_per_char
+from adaspan.model.analysis import flops_per_char
 from adaspan.resolve import resolve_config
 
 # (row, preset, attention, average span, the paper's #FLOPS and where it is given)

@@ -1,6 +1,6 @@
 """Generation speed at batch 1 of "the race model", by per-token step, side by side in one run:
-the model's forward over a KeyValueCache (``forward``), :class:`adaspan.decode.Decoder`
-(``decoder``, the CPU's step) and :class:`adaspan.decode.StaticDecoder` (``static``: on CUDA
+the model's forward over a KeyValueCache (``forward``), :class:`adaspan.model.decode.Decoder`
+(``decoder``, the CPU's step) and :class:`adaspan.model.decode.StaticDecoder` (``static``: on CUDA
 replayed from a CUDA graph, as ``adaspan generate`` runs there).
 
     python scripts/generation_speed.py [--chars 2000] [--runs 5] [--prompt 256]
@@ -25,7 +25,7 @@ import time
 import torch
 
 from adaspan import ModelConfig, SpanLM
-from adaspan.decode import decoder
+from adaspan.model.decode import decoder
 
 RACE = ModelConfig(vocab_size=256, d_model=256, n_heads=4, n_layers=4, d_inner=1024,
                    max_span=1024, ramp=32, attention="adaptive", dropout=0.0)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from make_persistent_fixture import authors_code, write_fixture  # beside this script
 
-from adaspan.official import build_vocab, encode_split
+from adaspan.training.official import build_vocab, encode_split
 
 S, R, D, HEADS, LAYERS, INNER = 40, 8, 16, 4, 2, 32
 CUTOFFS, DIV_VAL = [6, 12], 2

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from adaspan.official import build_vocab, encode_split
+from adaspan.training.official import build_vocab, encode_split
 
 S, R, D, HEADS, LAYERS, PERSISTENT = 80, 8, 16, 4, 2, 8
 CURRENT_VAL = [[0.0, 0.15, 0.5, 1.0], [0.0, 0.05, 0.1, 0.02]]

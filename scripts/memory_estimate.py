@@ -1,7 +1,7 @@
 """The memory estimate that training checks before its first step, against the resident
 memory a real training step takes, in a fresh process per configuration.
 
-For each configuration: ``estimate_gb`` (:func:`adaspan.memory.estimate_training_memory`,
+For each configuration: ``estimate_gb`` (:func:`adaspan.training.memory.estimate_training_memory`,
 Adagrad) and ``measured_gb``, the growth of the process's peak resident set size over three
 training steps (cache carried), plus the weights, which were resident before. Prints one JSON
 object per configuration.
@@ -32,10 +32,10 @@ CONFIGS = [
 def measure(options: dict, batch: int, block: int) -> dict:
     """In this process: the estimate, then three training steps."""
     from adaspan import ModelConfig, SpanLM, TrainConfig
-    from adaspan.cache import StreamCache
-    from adaspan.memory import estimate_training_memory
-    from adaspan.optim import build_optimizer, build_scheduler
-    from adaspan.train import train_step
+    from adaspan.attention.cache import StreamCache
+    from adaspan.training.memory import estimate_training_memory
+    from adaspan.training.optim import build_optimizer, build_scheduler
+    from adaspan.training.train import train_step
 
     model = SpanLM(ModelConfig(**options))
     config = TrainConfig(batch_size=batch, block_size=block, optimizer="adagrad", warmup=0)

@@ -15,8 +15,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from adaspan.bench import build_bench_model, train_seconds
 from adaspan.config import ModelConfig
+from adaspan.measure.bench import build_bench_model, train_seconds
 
 RACE = ModelConfig(vocab_size=256, d_model=256, n_heads=4, n_layers=4, d_inner=1024,
                    max_span=1024, ramp=32, dropout=0.0)

@@ -15,13 +15,13 @@ import argparse
 import json
 from pathlib import Path
 
-from adaspan.analysis import flops_per_char
-from adaspan.checkpoint import RunComplete, RunDir, load_model
-from adaspan.data import load_corpus, source_distance
-from adaspan.evaluate import bpc_by_distance, evaluate
-from adaspan.metrics import read_metrics
+from adaspan.data.corpora import load_corpus, source_distance
+from adaspan.model.analysis import flops_per_char
 from adaspan.resolve import resolve_config
-from adaspan.train import train
+from adaspan.training.checkpoint import RunComplete, RunDir, load_model
+from adaspan.training.evaluate import bpc_by_distance, evaluate
+from adaspan.training.metrics import read_metrics
+from adaspan.training.train import train
 
 # The model and recipe every run shares; a run overrides some of it.
 COMMON = ["n_layers=1", "d_model=32", "n_heads=2", "d_inner=64", "dropout=0",

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from adaspan.bench import build_bench_model
 from adaspan.config import ModelConfig
+from adaspan.measure.bench import build_bench_model
 
 RACE = ModelConfig(n_layers=4, d_model=256, n_heads=4, d_inner=1024, max_span=1024, ramp=32,
                    dropout=0.0, vocab_size=256)

@@ -12,8 +12,8 @@ import json
 import tempfile
 import time
 
-from adaspan.data import load_corpus
-from adaspan.tokenizer import build, tokenize_splits
+from adaspan.data.corpora import load_corpus
+from adaspan.data.tokenizer import build, tokenize_splits
 
 SIZES = {"words": 32768, "bpe": 8192}
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from adaspan.checkpoint import load_model
-from adaspan.tokenizer import UNK
-from adaspan.tokens import run_codec, run_split
+from adaspan.data.tokenizer import UNK
+from adaspan.training.checkpoint import load_model
+from adaspan.training.tokens import run_codec, run_split
 
 MODEL = ["n_layers=3", "d_model=192", "n_heads=4", "d_inner=768", "max_span=512", "ramp=32",
          "dropout=0.1", "span_loss_coef=2e-6"]

@@ -4,7 +4,8 @@ backward for training, forward for evaluation) for each key window and candidate
     python scripts/tune_chunks.py [--batch 8] [--block 256] [--repeats 5]
 
 Prints one JSON line per window and mode (median milliseconds per chunk size, and the best);
-:data:`adaspan.band.CHUNKS` is regenerated from such a run (the best chunk of each window).
+:data:`adaspan.attention.band.CHUNKS` is regenerated from such a run (the best chunk of each
+window).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import json
 
 import torch
 
-from adaspan.band import banded_attention
-from adaspan.bench import seconds
+from adaspan.attention.band import banded_attention
+from adaspan.measure.bench import seconds
 
 WINDOWS = (64, 128, 256, 512, 1024, 2048, 4096)
 CANDIDATES = (32, 64, 128, 256)

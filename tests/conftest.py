@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from adaspan import precision
-from adaspan.attention import Attention
-from adaspan.cache import fit_cache
+from adaspan.attention.cache import fit_cache
+from adaspan.attention.registry import ATTENTIONS, register_attention
+from adaspan.attention.span import FixedSpan
+from adaspan.attention.span_attention import Attention
 from adaspan.config import ModelConfig
-from adaspan.data import load_corpus
-from adaspan.registry import ATTENTIONS, register_attention
-from adaspan.span import FixedSpan
+from adaspan.data.corpora import load_corpus
+from adaspan.training import precision
 
 torch.set_num_threads(1)
 if not torch.cuda.is_available():  # the fused kernel runs in Triton's interpreter: chosen

@@ -10,9 +10,9 @@ from types import ModuleType
 import torch
 
 from adaspan import ModelConfig, SpanLM, TrainConfig, train
-from adaspan.attention import SpanAttention
-from adaspan.registry import ATTENTIONS
-from adaspan.span import AdaptiveSpan, DynamicSpan
+from adaspan.attention.registry import ATTENTIONS
+from adaspan.attention.span import AdaptiveSpan, DynamicSpan
+from adaspan.attention.span_attention import SpanAttention
 
 # Spans (in tokens) given to adaptive heads by tiny(): per layer and head, capped at max_span.
 TINY_SPANS = [[10.0, 20.0, 40.0, 64.0], [8.0, 9.0, 33.0, 17.5]]
@@ -74,9 +74,9 @@ def span_variants() -> list[str]:
 
 
 def baseline_variants() -> list[str]:
-    """Registered variants defined in :mod:`adaspan.baselines`."""
+    """Registered variants defined in :mod:`adaspan.attention.baselines`."""
     return [name for name, variant in ATTENTIONS.items()
-            if variant.build.__module__ == "adaspan.baselines"]
+            if variant.build.__module__ == "adaspan.attention.baselines"]
 
 
 # --- tiny training runs ---------------------------------------------------------------------
@@ -95,7 +95,7 @@ def tiny_train_config(data: str, **changes) -> TrainConfig:
 
 def run_quietly(run_dir: Path, config: TrainConfig, model: ModelConfig = TRAIN_MODEL,
                 **kw) -> dict:
-    """:func:`adaspan.train` without progress bar or log lines."""
+    """:func:`adaspan.training.train` without progress bar or log lines."""
     return train(model, config, run_dir, progress=False, log=lambda message: None, **kw)
 
 

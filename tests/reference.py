@@ -7,8 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-from adaspan.attention import SpanAttention
-from adaspan.span import AdaptiveSpan, DynamicSpan
+from adaspan.attention.span import AdaptiveSpan, DynamicSpan
+from adaspan.attention.span_attention import SpanAttention
 
 
 def reference_z(attn: SpanAttention, x: Tensor) -> Tensor | None:

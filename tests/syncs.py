@@ -103,11 +103,11 @@ def _addresses(step) -> dict[str, int]:
 
 
 def assert_static_steps(model, tokens: torch.Tensor, prompt: int = 5) -> None:
-    """What a CUDA graph's capture needs of :class:`adaspan.decode.StaticDecoder`, stepped
+    """What a CUDA graph's capture needs of :class:`adaspan.model.decode.StaticDecoder`, stepped
     through ``tokens`` after the first ``prompt``: each step reads the token from the same
     device tensor and writes the same output buffer, every operator sees the same shapes and
     arguments (no position baked in), and nothing is read from or built on the host."""
-    from adaspan.decode import StaticDecoder
+    from adaspan.model.decode import StaticDecoder
 
     with torch.no_grad():
         _, cache = model(tokens[None, :prompt], model.empty_cache(1, keys_values=True))

@@ -1,4 +1,4 @@
-"""Adaptive input and softmax (adaspan.adaptive_io) against references written from the
+"""Adaptive input and softmax (adaspan.model.adaptive_io) against references written from the
 equations (loops over tokens, explicit softmax); their ties; SpanLM with ``adaptive_io``:
 state dict, targets path, decoders, FLOPs, parameter count, a few training steps."""
 
@@ -15,15 +15,15 @@ from safetensors.torch import load_file, save_file
 from syncs import SyncCounter, assert_static_steps
 
 from adaspan import ModelConfig, SpanLM
-from adaspan.adaptive_io import AdaptiveInput, AdaptiveSoftmax, Clusters
-from adaspan.analysis import flops_per_char
-from adaspan.cache import StreamCache
+from adaspan.attention.cache import StreamCache
 from adaspan.config import ConfigError, TrainConfig
-from adaspan.decode import Decoder, decoder
-from adaspan.generate import stream
-from adaspan.model import Softmax, parameter_count
-from adaspan.optim import build_optimizer, build_scheduler
-from adaspan.train import train_step
+from adaspan.measure.generate import stream
+from adaspan.model.adaptive_io import AdaptiveInput, AdaptiveSoftmax, Clusters
+from adaspan.model.analysis import flops_per_char
+from adaspan.model.decode import Decoder, decoder
+from adaspan.model.lm import Softmax, parameter_count
+from adaspan.training.optim import build_optimizer, build_scheduler
+from adaspan.training.train import train_step
 
 D = 16
 LAYOUTS = [(40, ()), (40, (10,)), (40, (5, 17, 30)), (7, (1, 2, 6))]  # (V, cutoffs)

@@ -31,7 +31,7 @@ def test_every_configuration_is_one_adaspan_builds_with_its_spans():
     """Each configuration of the side-by-side, as the options adaspan bench receives, is a
     valid adaspan model whose heads get the spans the authors' script is given (cycled over
     the heads, as both scripts do)."""
-    from adaspan.bench import build_bench_model
+    from adaspan.measure.bench import build_bench_model
     from adaspan.resolve import resolve_config
 
     against_official = load_script("against_official")

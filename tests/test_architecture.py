@@ -1,5 +1,6 @@
-"""The package's layering (docs/architecture.md): no module imports one of a higher layer,
-so there is no import cycle; every module is placed in a layer."""
+"""The package's layering (docs/architecture.md): five parts as folders, each importing only
+the parts before it; within the package, no module imports one of a higher layer, so there is
+no import cycle; every module is placed in a layer."""
 
 from __future__ import annotations
 
@@ -10,61 +11,132 @@ import adaspan
 
 PACKAGE = Path(adaspan.__file__).parent
 
+# The parts in order: a folder, or a module at the top of the package. A module imports only
+# modules of its own part or of earlier ones.
+PARTS = ["_version", "errors", "attention", "model", "data", "presets", "config", "resolve",
+         "training", "measure", "cli", "__init__"]
+
 # Layer of every module, lowest first (the table of docs/architecture.md).
 LAYERS = {
-    "_version": 0, "errors": 0, "_fused_kernels": 0, "span": 0, "presets": 0, "analysis": 0,
-    "cache": 0, "precision": 0, "adaptive_io": 0,
-    "fused": 1, "registry": 1, "files": 1, "download": 1, "synthetic": 1, "distributed": 1,
-    "plots": 1, "tables": 1, "band": 1,
-    "data": 2, "metrics": 2, "tokenizer": 2,
-    "config": 3, "recorder": 3,
-    "attention": 4, "page": 4, "resolve": 4, "watch": 4,
-    "baselines": 5, "expire": 5, "persistent": 5,
-    "model": 6,
-    "checkpoint": 7, "decode": 7, "evaluate": 7, "optim": 7, "memory": 7,
-    "generate": 8, "bench": 8, "official": 8,
-    "tokens": 9,
-    "train": 10, "report": 10,
-    "demo": 11, "compare": 11,
-    "cli": 12, "__init__": 12,
+    "_version": 0, "errors": 0,
+    "attention/_fused_kernels": 1, "attention/span": 1, "attention/cache": 1,
+    "attention/fused": 2, "attention/registry": 2, "attention/band": 2,
+    "attention/span_attention": 3,
+    "attention/baselines": 4, "attention/expire": 4, "attention/persistent": 4,
+    "attention/__init__": 4,
+    "model/adaptive_io": 5, "model/analysis": 5,
+    "model/lm": 6,
+    "model/decode": 7, "model/__init__": 7,
+    "data/files": 8, "data/download": 8, "data/synthetic": 8,
+    "data/corpora": 9, "data/tokenizer": 9, "data/__init__": 9,
+    "presets": 10,
+    "config": 11,
+    "resolve": 12,
+    "training/precision": 13, "training/distributed": 13, "training/metrics": 13,
+    "training/optim": 13, "training/watch": 13,
+    "training/recorder": 14, "training/memory": 14, "training/evaluate": 14,
+    "training/lock": 14,
+    "training/checkpoint": 15,
+    "training/official": 16, "training/disk": 16,
+    "training/tokens": 17,
+    "training/train": 18, "training/__init__": 18,
+    "measure/plots": 19, "measure/tables": 19, "measure/generate": 19, "measure/bench": 19,
+    "measure/page": 20,
+    "measure/report": 21,
+    "measure/compare": 22, "measure/demo": 22, "measure/__init__": 22,
+    "cli": 23, "__init__": 24,
 }
 
 
-def _imported_modules(path: Path) -> set[str]:
-    """Modules of the package that ``path`` imports (at the top or inside functions)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import / from . import x
-            names.update([node.module.split(".")[0]] if node.module
-                         else [alias.name for alias in node.names])
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("adaspan."):
-            names.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[1] for alias in node.names
-                         if alias.name.startswith("adaspan."))
-    return names
+def _name(path: Path) -> str:
+    return path.relative_to(PACKAGE).with_suffix("").as_posix()
 
 
-def test_every_module_has_a_layer():
-    modules = {path.stem for path in PACKAGE.glob("*.py")}
-    assert modules == set(LAYERS)
+def _part(module: str) -> str:
+    return module.split("/")[0]
+
+
+def _resolve(module: str, level: int, name: str | None) -> str:
+    """The module (``folder/name``) that ``from <dots><name> import`` in ``module`` names."""
+    base = module.split("/")[:-1]
+    base = base[: len(base) - (level - 1)] if level > 1 else base
+    return "/".join([*base, *(name.split(".") if name else [])])
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(path: Path) -> tuple[set[str], set[str]]:
+    """The package's modules that ``path`` imports at run time (at the top or inside
+    functions), and those it names under ``if TYPE_CHECKING:`` (for annotations only)."""
+    module, tree = _name(path), ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block)
+                   for n in ast.walk(block)}
+    runtime, annotations = set(), set()
+    for node in ast.walk(tree):
+        found = set()
+        if isinstance(node, ast.ImportFrom) and node.level:
+            target = _resolve(module, node.level, node.module)
+            found = {f"{target}/{a.name}" if (PACKAGE / target / f"{a.name}.py").exists()
+                     else target for a in node.names}
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [
+                a.name for a in node.names]
+            found = {n.removeprefix("adaspan.").replace(".", "/") for n in names
+                     if (n or "").startswith("adaspan.")}
+        found = {f if (PACKAGE / f"{f}.py").exists() else f"{f}/__init__" for f in found}
+        (annotations if id(node) in typing_only else runtime).update(found)
+    return runtime, annotations
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "corpus" not in p.parts)
+
+
+def test_every_module_has_a_layer_and_a_part():
+    assert {_name(p) for p in _modules()} == set(LAYERS)
+    assert {_part(m) for m in LAYERS} == set(PARTS)
+
+
+def test_layers_follow_the_parts():
+    order = sorted(LAYERS, key=LAYERS.get)
+    parts = [PARTS.index(_part(m)) for m in order]
+    assert parts == sorted(parts)
 
 
 def test_modules_import_only_lower_layers():
     upward = []
-    for path in sorted(PACKAGE.glob("*.py")):
-        module = path.stem
-        for imported in _imported_modules(path):
+    for path in _modules():
+        module = _name(path)
+        for imported in _imports(path)[0]:
             if LAYERS[imported] >= LAYERS[module] and module != "__init__":
                 upward.append(f"{module} (layer {LAYERS[module]}) imports {imported} "
                               f"(layer {LAYERS[imported]})")
     assert upward == []
 
 
+def test_parts_import_only_earlier_parts():
+    later = []
+    for path in _modules():
+        module = _name(path)
+        for imported in _imports(path)[0]:
+            if PARTS.index(_part(imported)) > PARTS.index(_part(module)):
+                later.append(f"{module} imports {imported}")
+    assert later == []
+
+
+def test_annotations_name_only_the_configuration():
+    """A part below ``config`` is handed the configuration and names its type; nothing else
+    is imported for annotations alone."""
+    named = {m for path in _modules() for m in _imports(path)[1]}
+    assert named <= {"config"}
+
+
 def test_the_layer_table_is_the_one_documented():
     doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
     for module, layer in LAYERS.items():
-        if module != "__init__":
+        if not module.endswith("__init__"):
             assert f"`{module}.py` | {layer} |" in doc, module
 
 
@@ -73,12 +145,12 @@ LONGEST = {"function": 60, "class": 150}  # lines, from `def`/`class` to the end
 
 def test_no_function_or_class_is_longer_than_a_reader_holds_in_the_head():
     long = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in _modules():
         for node in ast.walk(ast.parse(path.read_text())):
             kind = ("class" if isinstance(node, ast.ClassDef) else "function"
                     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None)
             if kind and node.end_lineno - node.lineno + 1 > LONGEST[kind]:
-                long.append(f"{path.name}: {kind} {node.name}, "
+                long.append(f"{_name(path)}: {kind} {node.name}, "
                             f"{node.end_lineno - node.lineno + 1} lines")
     assert long == []
 
@@ -87,11 +159,25 @@ def test_no_module_compares_a_variant_s_name():
     """What a variant is (its span type, its option checks) is asked of the registry, never
     read from its name: no comparison involves an ``attention`` or ``persistent_span``."""
     named = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in _modules():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
                 sides = [node.left, *node.comparators]
                 if any(isinstance(side, ast.Attribute)
                        and side.attr in ("attention", "persistent_span") for side in sides):
-                    named.append(f"{path.name}:{node.lineno}")
+                    named.append(f"{_name(path)}:{node.lineno}")
     assert named == []
+
+
+def test_old_import_paths_still_work():
+    """The modules users import directly keep their paths from before the folders."""
+    import adaspan.registry
+
+    import adaspan.attention
+    import adaspan.config
+    import adaspan.model
+
+    assert adaspan.registry is adaspan.attention.registry
+    assert adaspan.model.SpanLM is adaspan.SpanLM
+    assert adaspan.attention.SpanAttention is adaspan.SpanAttention
+    assert adaspan.config.ModelConfig is adaspan.ModelConfig

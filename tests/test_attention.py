@@ -10,10 +10,18 @@ import torch
 from helpers import span_attention, span_variants
 from reference import reference_attention
 
-from adaspan import band, soft_mask
-from adaspan.band import CHUNKS, _BandSoftmax, banded_attention, chunk_size, ramp_columns, skew
-from adaspan.cache import KeyValueCache
-from adaspan.span import AdaptiveSpan, FixedSpan
+from adaspan import soft_mask
+from adaspan.attention import band
+from adaspan.attention.band import (
+    CHUNKS,
+    _BandSoftmax,
+    banded_attention,
+    chunk_size,
+    ramp_columns,
+    skew,
+)
+from adaspan.attention.cache import KeyValueCache
+from adaspan.attention.span import AdaptiveSpan, FixedSpan
 
 SPAN_VARIANTS = span_variants()
 

@@ -12,8 +12,8 @@ from helpers import baseline_variants, tiny
 from reference import distances_that_move
 
 from adaspan import ModelConfig
-from adaspan.baselines import FactorizedAttention, VanillaAttention, XLAttention
-from adaspan.registry import ATTENTIONS
+from adaspan.attention.baselines import FactorizedAttention, VanillaAttention, XLAttention
+from adaspan.attention.registry import ATTENTIONS
 
 BASELINES = baseline_variants()
 

@@ -5,13 +5,14 @@ import json
 import pytest
 import torch
 
-from adaspan import bench, precision
-from adaspan.analysis import flops_per_char
-from adaspan.bench import build_bench_model
 from adaspan.cli import main
 from adaspan.config import ModelConfig, TrainConfig
-from adaspan.memory import training_estimate
-from adaspan.model import SpanLM
+from adaspan.measure import bench
+from adaspan.measure.bench import build_bench_model
+from adaspan.model.analysis import flops_per_char
+from adaspan.model.lm import SpanLM
+from adaspan.training import precision
+from adaspan.training.memory import training_estimate
 
 FIELDS = {"attention", "max_span", "spans", "avg_span", "batch_size", "block_size",
           "train_precision", "eval_precision", "generate_precision", "torch", "compile_s",

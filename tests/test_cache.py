@@ -8,8 +8,8 @@ import torch
 from helpers import tiny
 from reference import run_blocks
 
-from adaspan import cache as cache_module
-from adaspan.cache import KeyValueCache, StreamCache, advance
+from adaspan.attention import cache as cache_module
+from adaspan.attention.cache import KeyValueCache, StreamCache, advance
 
 # --- the training cache -------------------------------------------------------------------------
 

@@ -15,8 +15,10 @@ from helpers import TRAIN_MODEL, run_quietly, tiny_train_config
 from safetensors.torch import load_file, save_file
 
 from adaspan import SpanLM
-from adaspan.cache import StreamCache
-from adaspan.checkpoint import (
+from adaspan.attention.cache import StreamCache
+from adaspan.config import TrainConfig
+from adaspan.data.files import atomic_write
+from adaspan.training.checkpoint import (
     LEGACY_STATE_FILE,
     STATE_FILE,
     WEIGHTS_FILE,
@@ -29,10 +31,8 @@ from adaspan.checkpoint import (
     new_run_dir,
     read_state,
 )
-from adaspan.config import TrainConfig
-from adaspan.distributed import Distributed
-from adaspan.files import atomic_write
-from adaspan.optim import build_optimizer, build_scheduler
+from adaspan.training.distributed import Distributed
+from adaspan.training.optim import build_optimizer, build_scheduler
 
 
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):

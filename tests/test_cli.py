@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaspan.checkpoint import load_model
+from adaspan.attention.registry import ATTENTIONS
 from adaspan.cli import main
 from adaspan.config import SECTIONS, ConfigError
-from adaspan.generate import generate, stream
-from adaspan.registry import ATTENTIONS
+from adaspan.measure.generate import generate, stream
+from adaspan.training.checkpoint import load_model
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
         "block_size=16", "eval_chars=256", "eval_interval=2", "log_interval=1",
@@ -299,9 +299,9 @@ def test_threads_of_train_and_compare_go_to_the_train_config(monkeypatch, tmp_pa
     """Their runs set the threads (the command line leaves torch's as they are)."""
     threads = torch.get_num_threads()
     seen = []
-    monkeypatch.setattr(importlib.import_module("adaspan.train"), "train",
+    monkeypatch.setattr(importlib.import_module("adaspan.training.train"), "train",
                         lambda model, config, *a, **k: seen.append(config.threads) or {})
-    monkeypatch.setattr(importlib.import_module("adaspan.compare"), "compare",
+    monkeypatch.setattr(importlib.import_module("adaspan.measure.compare"), "compare",
                         lambda methods, model, config, *a, **k: seen.append(config.threads) or [])
     assert main(["train", "--preset", "demo", "--threads", "1", "--run-dir", str(tmp_path)]) == 0
     assert main(["train", "--preset", "demo", "threads=2", "--run-dir", str(tmp_path)]) == 0
@@ -327,7 +327,7 @@ def test_a_bug_is_reported_as_one_with_exit_status_1(bug, monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise bug
 
-    monkeypatch.setattr("adaspan.model.parameter_count", broken)  # `adaspan presets` calls it
+    monkeypatch.setattr("adaspan.model.lm.parameter_count", broken)  # `adaspan presets` calls it
     assert main(["presets"]) == 1
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == f"adaspan: error: {type(bug).__name__}: {bug}"
@@ -341,7 +341,7 @@ def test_debug_raises_bugs_and_user_errors(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("adaspan.model.parameter_count", broken)
+    monkeypatch.setattr("adaspan.model.lm.parameter_count", broken)
     with pytest.raises(RuntimeError, match="boom"):
         main(["--debug", "presets"])
 
@@ -379,7 +379,7 @@ def test_resuming_a_finished_run_says_so_and_exits_0(tmp_path, capsys):
 
 
 def test_generate_dtype_bfloat16_runs_the_decoder_under_autocast(run_dir, capsys, monkeypatch):
-    from adaspan import decode
+    from adaspan.model import decode
 
     seen = []
     original = decode.decoder
@@ -388,7 +388,7 @@ def test_generate_dtype_bfloat16_runs_the_decoder_under_autocast(run_dir, capsys
         seen.append(torch.is_autocast_enabled("cpu"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sys.modules["adaspan.generate"], "decoder", watched)
+    monkeypatch.setattr(sys.modules["adaspan.measure.generate"], "decoder", watched)
     for dtype in ("float32", "bfloat16"):
         assert main(["generate", str(run_dir), "--prompt", "In", "--length", "10",
                      "--dtype", dtype, "--json"]) == 0

@@ -12,9 +12,10 @@ import sys
 
 import pytest
 
-from adaspan.checkpoint import RunDirError
+from adaspan.attention.registry import ATTENTIONS
 from adaspan.cli import main
-from adaspan.compare import (
+from adaspan.config import ConfigError
+from adaspan.measure.compare import (
     COLUMNS,
     COMPARE_FIGURE,
     COMPARE_PAGE,
@@ -24,10 +25,9 @@ from adaspan.compare import (
     compare,
     format_markdown,
 )
-from adaspan.config import ConfigError
-from adaspan.page import compare_page
-from adaspan.registry import ATTENTIONS
+from adaspan.measure.page import compare_page
 from adaspan.resolve import resolve_config
+from adaspan.training.checkpoint import RunDirError
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
         "block_size=16", "eval_chars=64", "eval_interval=2", "log_interval=1",
@@ -171,7 +171,7 @@ def test_unknown_or_repeated_method_is_refused_before_training(tmp_path):
 def test_finished_runs_are_reused(compared, tmp_path, monkeypatch):
     out, rows = compared
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
-    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
     reused = _compare(tmp_path, evaluate_test=False)
     assert reused == [{k: v for k, v in row.items() if k != "test_bpc"} for row in rows]
 
@@ -180,8 +180,8 @@ def test_rerun_with_fewer_methods_keeps_the_rows_of_the_finished_ones(compared, 
                                                                     monkeypatch):
     out, rows = compared
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
-    monkeypatch.setattr("adaspan.compare.train", _no_training)
-    monkeypatch.setattr("adaspan.compare.evaluate", _no_training)  # their bpc is read back
+    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.measure.compare.evaluate", _no_training)  # their bpc is read back
     assert _compare(tmp_path, ["xl"]) == [rows[2], rows[0], rows[1]]  # then registry order
     table = [line for line in (tmp_path / MARKDOWN_FILE).read_text().splitlines()
              if line.startswith("|")]
@@ -194,14 +194,14 @@ def test_finished_runs_are_reused_with_other_threads(compared, tmp_path, monkeyp
     """threads change the speed, not what a run learns."""
     out, rows = compared
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
-    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
     assert _compare(tmp_path, extra=["threads=1"]) == rows
 
 
 def test_run_with_other_settings_is_not_reused(compared, tmp_path, monkeypatch):
     out, _ = compared
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
-    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
     with pytest.raises(RunDirError, match="delete it to train fixed again"):
         _compare(tmp_path, extra=["steps=3"])
 
@@ -237,7 +237,7 @@ def test_runs_of_a_relative_corpus_path_are_reused(tmp_path, monkeypatch, corpus
     shutil.copy(corpus_file, tmp_path / "text.txt")
     first = _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"],
                      evaluate_test=False)
-    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
     messages = []
     again = _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"],
                      evaluate_test=False, log=messages.append)
@@ -284,7 +284,7 @@ def test_span_limit_figure_is_drawn_and_embedded(against_limits):
 def test_span_limit_runs_are_reused(against_limits, tmp_path, monkeypatch):
     out, rows = against_limits
     shutil.copytree(out, tmp_path / "again")
-    monkeypatch.setattr("adaspan.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
     again = _compare(tmp_path / "again", ["fixed", "adaptive"],
                      max_spans=[64, 128], evaluate_test=False)
     assert again == rows

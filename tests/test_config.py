@@ -9,8 +9,8 @@ from dataclasses import MISSING, fields
 import pytest
 from helpers import tiny_config
 
+from adaspan.attention.registry import ATTENTIONS
 from adaspan.config import SECTIONS, ConfigError, ModelConfig, TrainConfig
-from adaspan.registry import ATTENTIONS
 
 # --- ModelConfig --------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
-"""What every registered attention variant (:data:`adaspan.registry.ATTENTIONS`) guarantees
-inside SpanLM: causality, block-by-block processing with the carried cache, a cache that reaches
-into previous blocks, an exact key/value cache where the variant has one, and usable gradients.
+"""What every registered attention variant (:data:`adaspan.attention.registry.ATTENTIONS`)
+guarantees inside SpanLM: causality, block-by-block processing with the carried cache, a cache
+that reaches into previous blocks, an exact key/value cache where the variant has one, and
+usable gradients.
 
 The tests are parametrised over the registry: a variant registered anywhere is checked here
 with no edit (the toy variant of ``conftest.py`` shows it). Exactness is checked in float64."""
@@ -16,11 +17,11 @@ from helpers import tiny, tiny_config
 from reference import run_blocks
 
 from adaspan import SpanLM, TrainConfig
-from adaspan.cache import KeyValueCache, StreamCache
+from adaspan.attention.cache import KeyValueCache, StreamCache
+from adaspan.attention.registry import ATTENTIONS
 from adaspan.config import TRUNCATIONS
-from adaspan.optim import build_optimizer, build_scheduler
-from adaspan.registry import ATTENTIONS
-from adaspan.train import train_step
+from adaspan.training.optim import build_optimizer, build_scheduler
+from adaspan.training.train import train_step
 
 VARIANTS = list(ATTENTIONS)
 VOCAB = 32

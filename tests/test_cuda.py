@@ -15,14 +15,14 @@ import torch
 from helpers import span_attention, span_variants, tiny
 from reference import reference_attention
 
-from adaspan.cache import StreamCache
+from adaspan.attention.cache import StreamCache
+from adaspan.attention.registry import ATTENTIONS
 from adaspan.config import ModelConfig, TrainConfig
-from adaspan.decode import GraphStep, StaticDecoder, decoder
-from adaspan.memory import estimate_training_memory
-from adaspan.model import SpanLM
-from adaspan.optim import build_optimizer, build_scheduler
-from adaspan.registry import ATTENTIONS
-from adaspan.train import train_step
+from adaspan.model.decode import GraphStep, StaticDecoder, decoder
+from adaspan.model.lm import SpanLM
+from adaspan.training.memory import estimate_training_memory
+from adaspan.training.optim import build_optimizer, build_scheduler
+from adaspan.training.train import train_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")

@@ -1,4 +1,4 @@
-"""Tests for adaspan.data: encoding, corpus loading, splitting and batching."""
+"""Tests for adaspan.data.corpora: encoding, corpus loading, splitting and batching."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from adaspan import data
-from adaspan.data import (
+from adaspan.data import corpora as data
+from adaspan.data.corpora import (
     VOCAB_SIZE,
     BlockStream,
     Corpus,

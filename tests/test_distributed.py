@@ -16,9 +16,11 @@ import torch.multiprocessing
 from helpers import TRAIN_MODEL, run_processes, run_quietly, tiny_train_config
 from safetensors.torch import load_file
 
-from adaspan import SpanLM, distributed
-from adaspan.cache import StreamCache
-from adaspan.checkpoint import (
+from adaspan import SpanLM
+from adaspan.attention.cache import StreamCache
+from adaspan.data.corpora import load_corpus
+from adaspan.training import distributed
+from adaspan.training.checkpoint import (
     ARCHIVE_DIR,
     STATE_FILE,
     RunDirError,
@@ -26,11 +28,10 @@ from adaspan.checkpoint import (
     load_training_state,
     read_state,
 )
-from adaspan.data import load_corpus
-from adaspan.distributed import DeviceError, Distributed, resolve_device
-from adaspan.evaluate import evaluate
-from adaspan.optim import build_optimizer, build_scheduler
-from adaspan.train import train
+from adaspan.training.distributed import DeviceError, Distributed, resolve_device
+from adaspan.training.evaluate import evaluate
+from adaspan.training.optim import build_optimizer, build_scheduler
+from adaspan.training.train import train
 
 MODEL = dataclasses.replace(TRAIN_MODEL, dropout=0.0)
 PART = "state.step-000000003.rank-1.safetensors"  # rank 1's part of the checkpoint of step 3

@@ -1,4 +1,4 @@
-"""Tests for adaspan.download: the benchmark registry, cache, download and verification."""
+"""Tests for adaspan.data.download: the benchmark registry, cache, download and verification."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adaspan import data, download
-from adaspan.data import load_corpus
-from adaspan.download import BENCHMARKS, Benchmark, DataError, download_benchmark, fetch
+from adaspan.data import corpora as data
+from adaspan.data import download
+from adaspan.data.corpora import load_corpus
+from adaspan.data.download import BENCHMARKS, Benchmark, DataError, download_benchmark, fetch
 
 # ---------------------------------------------------------------------------- registry
 

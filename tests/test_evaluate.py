@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from adaspan import ModelConfig, SpanLM
-from adaspan.data import encode
-from adaspan.evaluate import evaluate, short_context
+from adaspan.data.corpora import encode
+from adaspan.training.evaluate import evaluate, short_context
 
 CONFIG = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_inner=32, max_span=64, ramp=8,
                      span_bucket=8, dropout=0.3)

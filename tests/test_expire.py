@@ -11,10 +11,10 @@ import torch
 from helpers import TRAIN_MODEL, run_quietly, span_attention, tiny, tiny_train_config
 from reference import distances_that_move
 
-from adaspan.analysis import effective_spans, flops_per_char
-from adaspan.checkpoint import load_model
-from adaspan.expire import ExpireSpanAttention, live_memories
-from adaspan.report import dynamic_spans
+from adaspan.attention.expire import ExpireSpanAttention, live_memories
+from adaspan.measure.report import dynamic_spans
+from adaspan.model.analysis import effective_spans, flops_per_char
+from adaspan.training.checkpoint import load_model
 
 L, R = 24, 8  # max_span and ramp of the standalone layers
 

@@ -1,5 +1,6 @@
-"""The fused kernel (the path CUDA takes, :mod:`adaspan.fused`) against the naive reference of
-the paper's equations, forward and gradients, run on the CPU by Triton's interpreter."""
+"""The fused kernel (the path CUDA takes, :mod:`adaspan.attention.fused`) against the naive
+reference of the paper's equations, forward and gradients, run on the CPU by Triton's
+interpreter."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from helpers import span_attention, span_variants, tiny
 from reference import reference_attention, run_blocks
 from test_attention import _gradients_against_reference
 
-from adaspan import fused
-from adaspan.attention import use_kernel
+from adaspan.attention import fused
+from adaspan.attention.span_attention import use_kernel
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="needs Triton (adaspan[cuda])")
 SPAN_VARIANTS = span_variants()

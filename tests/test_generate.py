@@ -1,4 +1,4 @@
-"""Generation's per-token step (adaspan.decode): the batch-1 decoders of span attention (the
+"""Generation's per-token step (adaspan.model.decode): the batch-1 decoders of span attention (the
 host-counted one and the static one) give the model's own log-probabilities, the same bytes as
 the model's forward, one host-device synchronisation per token; the static step keeps its
 buffers and shapes and synchronises nothing (capturable in a CUDA graph); the other variants
@@ -11,8 +11,8 @@ import torch
 from helpers import baseline_variants, span_variants, tiny
 from syncs import SyncCounter, assert_static_steps
 
-from adaspan.decode import Decoder, decoder
-from adaspan.generate import generate, stream
+from adaspan.measure.generate import generate, stream
+from adaspan.model.decode import Decoder, decoder
 
 
 def _decoded(model, tokens: torch.Tensor, prompt: int, fast: bool = True,

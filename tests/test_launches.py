@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import load_script, tiny
 
-from adaspan.decode import Decoder, StaticDecoder
+from adaspan.model.decode import Decoder, StaticDecoder
 
 count_launches = load_script("count_launches")
 
@@ -43,7 +43,7 @@ DECODE_LAUNCHES = {Decoder: (12, 2), StaticDecoder: (14, 5)}
 @pytest.mark.parametrize("kind", [Decoder, StaticDecoder], ids=["host-position", "static"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_generated_token_launches_a_dozen_operators_per_layer_and_casts_nothing(dtype, kind):
-    """The decoders' steps (adaspan.decode): weights prepared once (in bf16 under bf16
+    """The decoders' steps (adaspan.model.decode): weights prepared once (in bf16 under bf16
     autocast), so a token launches 12 operators per layer and 2 for the output, none of them a
     cast; the ring of keys and values is written in place (one copy per layer). The static
     step adds per layer the remainder of the clock and the gather of the position scores

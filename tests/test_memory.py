@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers import TRAIN_MODEL, run_quietly, tiny, tiny_train_config
 
-from adaspan.checkpoint import RunDir
-from adaspan.memory import GB, OutOfMemory, estimate_training_memory, evaluation_memory
-from adaspan.model import SpanLM
-from adaspan.train import _Loop
+from adaspan.model.lm import SpanLM
+from adaspan.training.checkpoint import RunDir
+from adaspan.training.memory import GB, OutOfMemory, estimate_training_memory, evaluation_memory
+from adaspan.training.train import _Loop
 
 MODEL = replace(TRAIN_MODEL, dropout=0.0)  # no dropout: a split batch draws no other masks
 S, HEADS = MODEL.max_span, MODEL.n_heads

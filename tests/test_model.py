@@ -11,8 +11,8 @@ from helpers import span_variants, tiny
 from reference import run_blocks
 
 from adaspan import ModelConfig, SpanLM
-from adaspan.analysis import effective_spans
-from adaspan.registry import ATTENTIONS
+from adaspan.attention.registry import ATTENTIONS
+from adaspan.model.analysis import effective_spans
 
 SPAN_VARIANTS = span_variants()
 # variants reading the model's table of p_d (position_table="model")

@@ -13,13 +13,13 @@ from reference import reference_z
 from test_train import assert_same_weights, weights
 
 from adaspan import ModelConfig
-from adaspan.analysis import flops_per_char
-from adaspan.band import banded_attention
-from adaspan.checkpoint import load_model
+from adaspan.attention.band import banded_attention
+from adaspan.attention.persistent import PersistentAttention
+from adaspan.attention.span import AdaptiveSpan
 from adaspan.config import ConfigError
-from adaspan.decode import Decoder, decoder
-from adaspan.persistent import PersistentAttention
-from adaspan.span import AdaptiveSpan
+from adaspan.model.analysis import flops_per_char
+from adaspan.model.decode import Decoder, decoder
+from adaspan.training.checkpoint import load_model
 
 N = 6  # persistent vectors per head in these tests
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaspan import precision
 from adaspan.config import TrainConfig
+from adaspan.training import precision
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ import pytest
 
 from adaspan import ModelConfig, TrainConfig
 from adaspan.config import SECTIONS, ConfigError, Options
-from adaspan.model import parameter_count
+from adaspan.model.lm import parameter_count
 from adaspan.presets import PRESETS
 from adaspan.resolve import resolve_config
 

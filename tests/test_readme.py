@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaspan.registry import ATTENTIONS
+from adaspan.attention.registry import ATTENTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,11 +10,12 @@ from dataclasses import replace
 import pytest
 from helpers import span_variants, tiny_config
 
-from adaspan import attention, baselines
-from adaspan.attention import Attention, SpanAttention, fixed_span
+from adaspan.attention import baselines
+from adaspan.attention import span_attention as attention
+from adaspan.attention.registry import ATTENTIONS, name_of, register_attention
+from adaspan.attention.span import AdaptiveSpan, DynamicSpan, FixedSpan
+from adaspan.attention.span_attention import Attention, SpanAttention, fixed_span
 from adaspan.config import ConfigError, ModelConfig
-from adaspan.registry import ATTENTIONS, name_of, register_attention
-from adaspan.span import AdaptiveSpan, DynamicSpan, FixedSpan
 
 
 def built(name: str) -> Attention:

@@ -21,7 +21,8 @@ from helpers import TRAIN_MODEL
 from safetensors.torch import load_file
 
 from adaspan import ModelConfig, SpanLM, TrainConfig, train
-from adaspan.checkpoint import (
+from adaspan.cli import main
+from adaspan.training.checkpoint import (
     LEGACY_STATE_FILE,
     STATE_FILE,
     RunDirError,
@@ -29,11 +30,10 @@ from adaspan.checkpoint import (
     load_training_state,
     read_state,
 )
-from adaspan.cli import main
-from adaspan.memory import estimate_training_memory, profiled_peak
-from adaspan.optim import build_optimizer, build_scheduler
-from adaspan.precision import choose
-from adaspan.train import train_step
+from adaspan.training.memory import estimate_training_memory, profiled_peak
+from adaspan.training.optim import build_optimizer, build_scheduler
+from adaspan.training.precision import choose
+from adaspan.training.train import train_step
 
 MODEL = TRAIN_MODEL
 STEPS = 12
@@ -83,9 +83,9 @@ def _assert_same_weights(run: Path, expected: dict[str, torch.Tensor]) -> None:
 # computation or the pause after it), whatever the machine's speed.
 _CHILD = """
 import importlib, os, signal, sys, threading, time
-checkpoint = importlib.import_module("adaspan.checkpoint")
-training = importlib.import_module("adaspan.train")  # (adaspan.train is also the function)
-target, kill_step, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+checkpoint = importlib.import_module("adaspan.training.checkpoint")
+training = importlib.import_module("adaspan.training.train")  # (adaspan.training.train is also the
+function) target, kill_step, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 calls, steps, replace, step = [0], [0], os.replace, training.train_step
 def kill():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -221,7 +221,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, corpus_file, monkey
     run = tmp_path / "run"
     train(MODEL, TrainConfig(**_options(corpus_file, steps=4)), run, progress=False,
           log=lambda m: None)
-    import adaspan.checkpoint as checkpoint
+    import adaspan.training.checkpoint as checkpoint
 
     def full(state, path):
         Path(path).write_bytes(b"\0" * 100)
@@ -365,7 +365,7 @@ def test_memory_estimate_is_within_a_quarter_of_the_measured_peak(changes, batch
 
 
 def _full_cache(model: SpanLM, batch: int):
-    from adaspan.cache import StreamCache
+    from adaspan.attention.cache import StreamCache
 
     return StreamCache([torch.zeros(batch, model.config.max_span, model.config.d_model)
                         for _ in model.layers])

@@ -16,14 +16,13 @@ import torch
 from helpers import TRAIN_MODEL
 
 from adaspan import ModelConfig, SpanLM, TrainConfig
-from adaspan.attention import SpanAttention
-from adaspan.checkpoint import load_model
+from adaspan.attention.registry import ATTENTIONS, Variant
+from adaspan.attention.span import DynamicSpan
+from adaspan.attention.span_attention import SpanAttention
 from adaspan.cli import main
-from adaspan.data import load_corpus
-from adaspan.memory import profiled_peak
-from adaspan.plots import compare_figure
-from adaspan.registry import ATTENTIONS, Variant
-from adaspan.report import (
+from adaspan.data.corpora import load_corpus
+from adaspan.measure.plots import compare_figure
+from adaspan.measure.report import (
     DATA_FILE,
     FIXED,
     LEARNED,
@@ -35,8 +34,9 @@ from adaspan.report import (
     report_data,
     write_report,
 )
-from adaspan.span import DynamicSpan
-from adaspan.train import train
+from adaspan.training.checkpoint import load_model
+from adaspan.training.memory import profiled_peak
+from adaspan.training.train import train
 
 MODEL = replace(TRAIN_MODEL, dropout=0.1)
 LIMITS = (16, 32, 64, 128)

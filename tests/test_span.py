@@ -12,10 +12,10 @@ from helpers import TRAIN_MODEL, run_quietly, span_attention, tiny, tiny_config,
 from reference import distances_that_move
 
 from adaspan import ModelConfig, SpanLM, soft_mask
-from adaspan.checkpoint import load_model
-from adaspan.model import parameter_count
-from adaspan.registry import ATTENTIONS
-from adaspan.span import AdaptiveSpan, DynamicSpan, FixedSpan
+from adaspan.attention.registry import ATTENTIONS
+from adaspan.attention.span import AdaptiveSpan, DynamicSpan, FixedSpan
+from adaspan.model.lm import parameter_count
+from adaspan.training.checkpoint import load_model
 
 
 def test_soft_mask_matches_the_formula():

@@ -10,10 +10,10 @@ import torch
 from helpers import TRAIN_MODEL, run_quietly, tiny, tiny_train_config
 from syncs import SyncCounter
 
-from adaspan.cache import StreamCache
+from adaspan.attention.cache import StreamCache
 from adaspan.config import TrainConfig
-from adaspan.optim import build_optimizer, build_scheduler
-from adaspan.train import _Loop, train_step
+from adaspan.training.optim import build_optimizer, build_scheduler
+from adaspan.training.train import _Loop, train_step
 
 # spans whose windows form non-adjacent groups (heads 0, 2 and 1, 3) in every layer
 SPLIT_GROUPS = [12.5, 36.5, 12.5, 36.5]
@@ -73,13 +73,14 @@ def test_a_train_step_reads_the_spans_once(clip_mode):
 
 
 def test_a_whole_training_step_of_the_loop_waits_at_most_twice(tmp_path, corpus_file):
-    """Every step of :func:`adaspan.train` between records: the data upload and the spans."""
+    """Every step of :func:`adaspan.training.train` between records: the data upload and the
+    spans."""
     steps = _loop_waits(tmp_path / "run", corpus_file)
     assert len(steps) == 6 and all(len(calls) <= 2 for calls in steps[1:-1]), steps
 
 
 def test_evaluation_waits_once_per_block_for_its_upload():
-    from adaspan.evaluate import evaluate
+    from adaspan.training.evaluate import evaluate
 
     model = _model("adaptive", 6)
     tokens = torch.randint(0, 32, (2 * 8 * 16 + 1,)).numpy()  # 8 blocks of 2 x 16
@@ -110,7 +111,7 @@ WAITS = {  # variant: (training step, evaluation block, generated token), as fun
 
 def _steady_counts(attention: str, n_layers: int) -> tuple[int, int, float]:
     """Waits of a training step, an evaluation block and a generated token (mean of 4)."""
-    from adaspan.decode import decoder
+    from adaspan.model.decode import decoder
 
     model = tiny(attention, n_layers=n_layers).train()
     config = TrainConfig(batch_size=2, optimizer="adamw", lr=1e-6, warmup=0, clip=1.0,
@@ -133,7 +134,7 @@ def _steady_counts(attention: str, n_layers: int) -> tuple[int, int, float]:
 
 
 def test_every_variant_waits_as_the_docs_state():
-    from adaspan.registry import ATTENTIONS
+    from adaspan.attention.registry import ATTENTIONS
 
     assert set(WAITS) == set(ATTENTIONS)
     for attention, expected in WAITS.items():
@@ -160,8 +161,8 @@ def _loop_worker(rank: int, store, data: str, out) -> None:
 
 
 def _loop_waits(run_dir, data: str) -> list[list[str]]:
-    """The waits of each step of :func:`adaspan.train` (the step, then the loop's check for a
-    record or a checkpoint), 6 steps recorded and saved at the last only."""
+    """The waits of each step of :func:`adaspan.training.train` (the step, then the loop's check
+    for a record or a checkpoint), 6 steps recorded and saved at the last only."""
     counts = []
 
     def counted(method):

@@ -11,14 +11,14 @@ import re
 import numpy as np
 import pytest
 
-from adaspan.checkpoint import load_model
 from adaspan.cli import main
 from adaspan.config import ModelConfig, TrainConfig
-from adaspan.data import BlockStream, load_corpus, source_distance
+from adaspan.data.corpora import BlockStream, load_corpus, source_distance
+from adaspan.data.synthetic import DEFAULTS, generate, parse
 from adaspan.errors import UserError
-from adaspan.evaluate import bpc_by_distance, evaluate
-from adaspan.synthetic import DEFAULTS, generate, parse
-from adaspan.train import train
+from adaspan.training.checkpoint import load_model
+from adaspan.training.evaluate import bpc_by_distance, evaluate
+from adaspan.training.train import train
 
 COPY = "synthetic:copy?min=40&max=60&segment=8&gap_min=5&gap_max=9&length=20000&seed=3"
 WORDS = "synthetic:words?vocab=300&skew=1.1&length=20000&seed=4"

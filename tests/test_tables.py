@@ -3,8 +3,14 @@ hand-made values: no model is trained."""
 
 from __future__ import annotations
 
-from adaspan.analysis import head_span_history, span_trajectories
-from adaspan.tables import bench_table, evaluation_text, record_line, span_table, trajectory_table
+from adaspan.measure.tables import (
+    bench_table,
+    evaluation_text,
+    record_line,
+    span_table,
+    trajectory_table,
+)
+from adaspan.model.analysis import head_span_history, span_trajectories
 
 RESULT = {"data": "synthetic:copy", "split": "valid", "bpc": 1.23456, "chars": 2000,
           "streams": 1, "stream_chars": 2000, "block_size": 64, "dtype": "float32",

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import tokenizers as hf
 
-from adaspan import tokenizer as tk
-from adaspan.data import load_corpus
-from adaspan.tokenizer import (
+from adaspan.data import tokenizer as tk
+from adaspan.data.corpora import load_corpus
+from adaspan.data.tokenizer import (
     EOS,
     UNK,
     BPETokenizer,

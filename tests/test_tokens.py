@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from adaspan.checkpoint import RunDir, load_model
 from adaspan.cli import main
-from adaspan.data import load_corpus
-from adaspan.evaluate import evaluate
-from adaspan.tokens import run_codec, run_split, saved_tokenizer
+from adaspan.data.corpora import load_corpus
+from adaspan.training.checkpoint import RunDir, load_model
+from adaspan.training.evaluate import evaluate
+from adaspan.training.tokens import run_codec, run_split, saved_tokenizer
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "ramp=8",
         "batch_size=2", "block_size=16", "eval_chars=128", "eval_interval=2", "log_interval=1",
@@ -113,7 +113,7 @@ def test_generation_streams_whole_tokens_of_the_run(trained, capsys):
     model = load_model(run)
     prompt = codec.encode(b"And God said").ids.tolist()
     generator = torch.Generator().manual_seed(3)
-    from adaspan.generate import stream
+    from adaspan.measure.generate import stream
     sampled = list(stream(model, prompt, 12, 0.8, None, generator))
     assert b"".join(codec.pieces(sampled)).decode("utf-8", "replace") == result["text"]
     assert all(0 <= t < model.config.vocab_size for t in sampled)

@@ -19,8 +19,11 @@ import torch.nn.functional as F
 from helpers import TRAIN_MODEL, run_processes, run_quietly, tiny_train_config
 
 from adaspan import SpanLM
-from adaspan.cache import StreamCache
-from adaspan.checkpoint import (
+from adaspan.attention.cache import StreamCache
+from adaspan.config import TrainConfig
+from adaspan.data.corpora import load_corpus
+from adaspan.errors import UserError
+from adaspan.training.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
     WEIGHTS_FILE,
@@ -28,13 +31,10 @@ from adaspan.checkpoint import (
     load_model,
     load_training_state,
 )
-from adaspan.config import TrainConfig
-from adaspan.data import load_corpus
-from adaspan.errors import UserError
-from adaspan.evaluate import evaluate
-from adaspan.optim import build_optimizer, build_scheduler, lr_factor
-from adaspan.train import Diverged, RunComplete, train, train_step
-from adaspan.watch import span_warnings
+from adaspan.training.evaluate import evaluate
+from adaspan.training.optim import build_optimizer, build_scheduler, lr_factor
+from adaspan.training.train import Diverged, RunComplete, train, train_step
+from adaspan.training.watch import span_warnings
 
 RECORD_FIELDS = {"step", "train_bpc", "valid_bpc", "lr", "chars_per_s", "avg_span", "max_span",
                  "layer_avg_span", "layer_max_span", "head_spans", "elapsed", "precision"}

@@ -2,20 +2,28 @@
 
 Implements "Adaptive Attention Span in Transformers" (Sukhbaatar et al., ACL 2019) and the
 attention methods it is compared against.
+
+The package is five parts, each a folder that imports only the parts before it:
+``attention`` -> ``model`` -> ``data`` -> ``training`` -> ``measure``, with ``errors`` below
+them all, ``config`` (the options) between ``data`` and ``training``, and the command line
+(``cli``) on top (docs/architecture.md).
 """
 
+import sys
+
 from ._version import __version__
-from .attention import Attention, SpanAttention
-from .band import banded_attention
-from .baselines import FactorizedAttention, VanillaAttention, XLAttention
-from .checkpoint import load_model
+from .attention import registry
+from .attention.band import banded_attention
+from .attention.baselines import FactorizedAttention, VanillaAttention, XLAttention
+from .attention.registry import ATTENTIONS, register_attention
+from .attention.span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, soft_mask
+from .attention.span_attention import Attention, SpanAttention
 from .config import ModelConfig, TrainConfig
-from .evaluate import evaluate
-from .generate import generate
-from .model import SpanLM
-from .registry import ATTENTIONS, register_attention
-from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, soft_mask
-from .train import train
+from .measure.generate import generate
+from .model.lm import SpanLM
+from .training.checkpoint import load_model
+from .training.evaluate import evaluate
+from .training.train import train
 
 __all__ = [
     "ATTENTIONS",
@@ -40,3 +48,6 @@ __all__ = [
     "soft_mask",
     "train",
 ]
+
+# where the modules that users import directly were before the package had folders
+sys.modules[f"{__name__}.registry"] = registry

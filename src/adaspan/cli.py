@@ -14,6 +14,7 @@ import codecs
 import inspect
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import fields
@@ -23,9 +24,9 @@ import numpy as np
 import torch
 
 from ._version import __version__
-from .errors import UserError
-from .precision import DTYPES
-from .registry import ATTENTIONS
+from .attention.registry import ATTENTIONS
+from .config import DTYPES
+from .errors import UserError, disk_full, out_of_memory
 
 EXPECTED_ERRORS = (UserError, OSError, MemoryError)  # the user's to fix: one line, status 2
 
@@ -52,25 +53,28 @@ def main(argv: list[str] | None = None) -> int:
         if _is_main_process():
             print(f"\nadaspan: {stop or 'interrupted'}", file=sys.stderr)
         return 128 + getattr(stop, "signum", 2)
-    except EXPECTED_ERRORS as err:
-        if args.debug:
-            raise
-        print(f"adaspan: error: {_one_line(err)}", file=sys.stderr)
-        return 2
     except Exception as err:
         if args.debug:
             raise
         print(f"adaspan: error: {_one_line(err)}", file=sys.stderr)
+        if _expected(err):
+            return 2
         print("adaspan: this is a bug in adaspan; run with --debug for the traceback",
               file=sys.stderr)
         return 1
+
+
+def _expected(err: Exception) -> bool:
+    """Whether ``err`` is the user's to act on: a UserError, the file system, or a resource
+    exhausted (memory, disk) wherever it happened."""
+    return isinstance(err, EXPECTED_ERRORS) or disk_full(err) or out_of_memory(err)
 
 
 def _set_up(args: argparse.Namespace) -> None:
     """Torch's CPU threads (``--threads``) and the device (``--device``, resolved in place) of
     the commands that have those options; those of train (and compare's threads) are train
     options (``train.threads``), set by the training run."""
-    from .distributed import resolve_device, use_threads
+    from .training.distributed import resolve_device, use_threads
 
     if "threads" in args:
         use_threads(args.threads)
@@ -80,7 +84,7 @@ def _set_up(args: argparse.Namespace) -> None:
 
 def _is_main_process() -> bool:
     """False in the processes of a torchrun job other than rank 0 (one message, not one each)."""
-    from .distributed import Distributed
+    from .training.distributed import Distributed
 
     return Distributed.from_env().is_main
 
@@ -92,7 +96,12 @@ def _one_line(err: Exception) -> str:
         where = f": {err.filename}" if err.filename else ""
         return f"{err.strerror}{where}"
     message = " ".join(str(err).split())
-    if isinstance(err, EXPECTED_ERRORS):
+    if out_of_memory(err) and not isinstance(err, UserError):
+        tried = re.search(r"allocate (\d+) bytes", message)
+        what = f"{int(tried[1]) / 1e9:.1f} GB could not be allocated" if tried else message
+        return (f"out of memory: {what or type(err).__name__} (a smaller model, batch_size or "
+                "block_size needs less; batch_split=N splits a step)")
+    if _expected(err):
         return message or type(err).__name__
     return ": ".join(filter(None, (type(err).__name__, message)))
 
@@ -227,9 +236,9 @@ def _train(args: argparse.Namespace) -> int:
 
     Options apply in order: defaults (the paper's small model) < --preset < --config FILE <
     the options below < KEY=VALUE overrides."""
-    from .checkpoint import RunComplete, RunDir, new_run_dir
     from .resolve import resolve_config
-    from .train import train
+    from .training.checkpoint import RunComplete, RunDir, new_run_dir
+    from .training.train import train
 
     overrides = _config_overrides(args)
     if args.resume:
@@ -284,12 +293,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     block size, the cache carried, and how many characters were scored with less context than
     the longest span (the first ones of each stream; a batch size of 1 scores the split as one
     stream)."""
-    from .checkpoint import RunDir, load_model
-    from .data import source_distance
-    from .evaluate import bpc_by_distance, evaluate, short_context
-    from .synthetic import is_synthetic
-    from .tables import evaluation_text
-    from .tokens import run_split
+    from .data.corpora import source_distance
+    from .data.synthetic import is_synthetic
+    from .measure.tables import evaluation_text
+    from .training.checkpoint import RunDir, load_model
+    from .training.evaluate import bpc_by_distance, evaluate, short_context
+    from .training.tokens import run_split
 
     tokens, name, unit, ends = run_split(args.run_dir, args.split, args.data, args.data_dir,
                                          progress=not args.no_progress)
@@ -336,9 +345,9 @@ def _generate(args: argparse.Namespace) -> int:
     """Sample text from a trained model.
 
     Print the prompt, then each character as it is sampled."""
-    from .checkpoint import load_model
-    from .precision import choose
-    from .tokens import run_codec
+    from .training.checkpoint import load_model
+    from .training.precision import choose
+    from .training.tokens import run_codec
 
     codec = run_codec(args.run_dir)
     model = load_model(args.run_dir, args.device)
@@ -350,7 +359,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _sample(args: argparse.Namespace, model, codec, precision) -> None:
     """Stream (or, with --json, time) the sampled text of ``_generate``."""
-    from .generate import stream
+    from .measure.generate import stream
 
     typed = os.fsencode(args.prompt)  # the bytes typed, UTF-8 or not
     shown = typed.decode("utf-8", errors="replace")
@@ -401,11 +410,11 @@ def _inspect(args: argparse.Namespace) -> int:
 
     Print the span of every head, each head's span at the first and the last record of
     metrics.jsonl and its largest over the records, and the last record."""
-    from .analysis import head_span_history, span_summary, span_trajectories
-    from .checkpoint import load_model
-    from .plots import plot_curves, plot_spans
-    from .report import run_events
-    from .tables import record_line, span_table, trajectory_table
+    from .measure.plots import plot_curves, plot_spans
+    from .measure.report import run_events
+    from .measure.tables import record_line, span_table, trajectory_table
+    from .model.analysis import head_span_history, span_summary, span_trajectories
+    from .training.checkpoint import load_model
 
     model = load_model(args.run_dir)
     spans = model.spans()
@@ -453,7 +462,7 @@ def _report(args: argparse.Namespace) -> int:
     curves, spans during training, the final spans (paper Figure 4), FLOPs and memory against
     the span limit (Figure 3) and, for dynamic spans, the span along a text (Figure 5); and
     OUT/report.json, the numbers behind the figures."""
-    from .report import write_report
+    from .measure.report import write_report
 
     page = write_report(args.run_dir, args.out, args.text, args.limits, not args.no_memory,
                         args.device)
@@ -496,10 +505,10 @@ def _bench(args: argparse.Namespace) -> int:
     of their times. Rates are in tokens (chars: whatever a token is); for a tokenizer that
     learns its tokens (tokenizer=words|bpe) also per byte of text, at the average bytes per
     token of the corpus's valid split."""
-    from .bench import MEMORY_FIELDS, bench
+    from .measure.bench import MEMORY_FIELDS, bench
+    from .measure.tables import bench_table
     from .resolve import resolve_config
-    from .tables import bench_table
-    from .tokens import per_byte
+    from .training.tokens import per_byte
 
     model_config, train_config = resolve_config(args.preset, args.config, args.overrides)
     block_size = args.block_size or (train_config.block_size if args.preset or args.config
@@ -524,7 +533,7 @@ def _add_download(commands) -> None:
 
 def _download(args: argparse.Namespace) -> int:
     """Download and verify enwik8 or text8."""
-    from .download import download_benchmark
+    from .data.download import download_benchmark
 
     print(download_benchmark(args.name, args.data_dir))
     return 0
@@ -540,7 +549,7 @@ def _add_presets(commands) -> None:
 
 def _presets(args: argparse.Namespace) -> int:
     """List the named configurations."""
-    from .model import parameter_count
+    from .model.lm import parameter_count
     from .presets import PRESETS
     from .resolve import resolve_config
 
@@ -570,7 +579,7 @@ def _add_demo(commands) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     """Train a small model on the bundled corpus for a few minutes, then report."""
-    from .demo import run_demo
+    from .measure.demo import run_demo
 
     run_demo(args.minutes, args.run_dir, progress=not args.no_progress)
     return 0
@@ -610,9 +619,9 @@ def _compare(args: argparse.Namespace) -> int:
     OUT/compare_curves.png and OUT/compare.html. With --max-spans, each method is trained with
     every span limit, and bpc, FLOPs per character, memory and speed are drawn against it
     (OUT/compare_max_spans.png). Re-running with the same --out reuses the finished runs."""
-    from .checkpoint import new_run_dir
-    from .compare import MARKDOWN_FILE, compare
+    from .measure.compare import MARKDOWN_FILE, compare
     from .resolve import resolve_config
+    from .training.checkpoint import new_run_dir
 
     budget = []
     if args.minutes is not None:  # the time budget decides; steps only cap it
@@ -636,7 +645,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _add_convert_official(commands) -> None:
-    from .official import DEFAULT_DROPOUT, DEFAULT_RAMP, DEFAULT_SPAN_LOSS
+    from .training.official import DEFAULT_DROPOUT, DEFAULT_RAMP, DEFAULT_SPAN_LOSS
 
     p = _command(commands, "convert-official", _convert_official)
     p.add_argument("checkpoint", type=Path, metavar="CHECKPOINT.pt")
@@ -661,7 +670,7 @@ def _convert_official(args: argparse.Namespace) -> int:
     (facebookresearch/adaptive-span, with or without persistent memory, with or without
     adaptive input/output) into an adaspan run directory with the same log-probabilities
     (see docs/official.md)."""
-    from .official import convert
+    from .training.official import convert
 
     model = convert(args.checkpoint, args.out_dir, args.data, args.ramp, args.dropout,
                     args.span_loss_coef)

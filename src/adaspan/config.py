@@ -10,27 +10,24 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Callable, Collection
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-from .distributed import DEVICE
-from .errors import UserError
-from .fused import KERNELS
-from .precision import DTYPES
-from .registry import ATTENTIONS, VariantNames
-from .tokenizer import TOKENIZERS
+from .attention.fused import KERNELS
+from .attention.registry import ATTENTIONS, VariantNames
+from .data.tokenizer import TOKENIZERS
+from .errors import ConfigError, require
+
+DTYPES = ("auto", "float32", "bfloat16")  # what --dtype accepts (training.precision reads them)
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # what --device accepts
 
 TRUNCATIONS = ("head", "layer", "none")
 SPAN_PER = ("head", "layer")
 POSITION_TABLES = ("model", "layer")
 OPTIMIZERS = ("adagrad", "adamw")
 CLIP_MODES = ("per-tensor-lr", "global")
-
-
-class ConfigError(UserError, ValueError):
-    """An invalid option: of a configuration, a preset, a TOML file, an override or a
-    command."""
 
 
 def option(default: Any, help: str, *, choices: Collection[str] | None = None,
@@ -94,12 +91,13 @@ class Options:
 class ModelConfig(Options):
     """Hyper-parameters of :class:`adaspan.SpanLM` (paper defaults: small text8 model, §3).
 
-    ``attention`` names a registered variant (:data:`adaspan.registry.ATTENTIONS`): ``fixed``
-    (every head sees ``max_span`` tokens), ``adaptive`` (one learned span per head) or
-    ``dynamic`` (span predicted per token), and the baselines of :mod:`adaspan.baselines`;
+    ``attention`` names a registered variant (:data:`adaspan.attention.registry.ATTENTIONS`):
+    ``fixed`` (every head sees ``max_span`` tokens), ``adaptive`` (one learned span per head) or
+    ``dynamic`` (span predicted per token), and the baselines of :mod:`adaspan.attention.baselines`;
     ``persistent`` adds ``persistent_size`` learned keys and values per head to a
-    ``persistent_span`` attention (:mod:`adaspan.persistent`; with ``feed_forward=false``, the
-    all-attention layer). What a variant declares where it registers (its span type, its own
+    ``persistent_span`` attention (:mod:`adaspan.attention.persistent`; with
+    ``feed_forward=false``, the all-attention layer). What a variant declares where it registers
+    (its span type, its own
     checks of these options) is read from the registry: nothing is built to validate.
     ``truncation`` picks how computation follows the spans: ``head`` groups heads by span and
     each group reads only the keys it can see; ``layer`` uses the longest head of the layer for
@@ -176,7 +174,7 @@ class ModelConfig(Options):
 
     def _check_variant(self) -> None:
         """The options the registered attention checks itself (``check`` of
-        :func:`~adaspan.registry.register_attention`); its ValueError is a ConfigError."""
+        :func:`~adaspan.attention.registry.register_attention`); its ValueError is a ConfigError."""
         check = ATTENTIONS[self.attention].check
         try:
             if check is not None:
@@ -337,16 +335,6 @@ class TrainConfig(Options):
 
 
 SECTIONS: dict[str, type[Options]] = {"model": ModelConfig, "train": TrainConfig}
-
-
-def require(name: str, value: object, ok: Callable[[Any], object], what: str) -> None:
-    """Raise ``ConfigError("<name> must be <what>, got <value>")`` unless ``ok(value)``."""
-    try:
-        valid = bool(ok(value))
-    except TypeError:
-        valid = False
-    if not valid:
-        raise ConfigError(f"{name} must be {what}, got {value!r}")
 
 
 def _parse_cutoffs(text: object) -> tuple[int, ...] | None:

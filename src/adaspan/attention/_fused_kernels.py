@@ -1,0 +1,175 @@
+"""The Triton kernels of :mod:`adaspan.attention.fused` (imported only there, at the first call: it
+imports Triton, an optional dependency).
+
+Program (i, b * H + h) handles queries i * BLOCK .. (i + 1) * BLOCK - 1 of head h of sequence
+b and loops over the tiles of the keys they can see, ``history + t - w_h`` to
+``history + t - 1`` for query t: the loop's bounds follow the head's window w_h, read from
+``WIN``. Pointers are (b, h, position) strides plus a contiguous last dimension of ``dh``
+(padded to ``DH``); z has (b, h, t) strides, 0 where it is broadcast.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scores(q, K, POS, kb, skt, spd, z, start, r0, history, w, T, n_pos, dh, scale, ramp,
+            HAS_Z: tl.constexpr, DH: tl.constexpr, BLOCK: tl.constexpr):
+    """The tile of scores s_tr (eqs. 1-2) of queries ``start`` .. ``start + BLOCK - 1``
+    against keys r0 .. r0 + BLOCK - 1, -inf where the key is out of the head's window or its
+    mask is 0; with the keys, the rows of p_d the tile reads (2 BLOCK distances from
+    ``first``), the masks m_z and where the tile is valid."""
+    t = start + tl.arange(0, BLOCK)
+    r = r0 + tl.arange(0, BLOCK)
+    e = tl.arange(0, DH)
+    k = tl.load(K + kb + r[:, None] * skt + e[None, :],
+                mask=(r[:, None] >= 0) & (r[:, None] < T) & (e[None, :] < dh), other=0.0)
+    s = tl.dot(q, tl.trans(k))
+    # distance of (i, j) is first + i - j + BLOCK - 1: row i - j + BLOCK - 1 of the table below
+    first = history + start - r0 - BLOCK + 1
+    dd = first + tl.arange(0, 2 * BLOCK)
+    p = tl.load(POS + (dd[:, None] - 1) * spd + e[None, :],
+                mask=(dd[:, None] >= 1) & (dd[:, None] <= n_pos) & (e[None, :] < dh), other=0.0)
+    position = tl.dot(q, tl.trans(p.to(q.dtype)))  # (BLOCK, 2 BLOCK)
+    i = tl.arange(0, BLOCK)
+    shift = i[:, None] - tl.arange(0, BLOCK)[None, :] + BLOCK - 1
+    s = (s + tl.gather(position, shift, 1)) * scale
+    d = history + t[:, None] - r[None, :]
+    valid = (d >= 1) & (d <= w)
+    m = tl.full((BLOCK, BLOCK), 1.0, z.dtype)
+    if HAS_Z:
+        m = (ramp + z[:, None] - d) / ramp
+        valid = valid & (m > 0)
+        s = s + tl.log(tl.minimum(tl.maximum(m, 1e-30), 1.0))
+    s = tl.where(valid, s, float("-inf"))
+    return s, k, p, first, m, valid
+
+
+@triton.jit
+def _keep(SEED, bh, t, r, T, p_drop, BLOCK: tl.constexpr):
+    """Dropout's keep mask of the tile (drawn again alike by the backward)."""
+    seed = tl.load(SEED)
+    return tl.rand(seed + bh, t[:, None] * T + r[None, :]) >= p_drop
+
+
+@triton.jit
+def _tile(Q, Z, WIN, LSE, sqb, sqh, sqt, szb, szh, szt, H, M, dh, DH: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """This program's tile: batch b, head h and its window w, the first query ``start``, the
+    query positions t, the feature index e, the valid (query, feature) entries, the queries
+    and their z (in the accumulators' type)."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    w = tl.load(WIN + h)
+    start = tl.program_id(0) * BLOCK
+    t = start + tl.arange(0, BLOCK)
+    e = tl.arange(0, DH)
+    rows = (t[:, None] < M) & (e[None, :] < dh)
+    q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqt + e[None, :], mask=rows, other=0.0)
+    z = tl.load(Z + b * szb + h * szh + t * szt, mask=t < M, other=0.0)
+    return b, h, w, start, t, e, rows, q, z.to(LSE.dtype.element_ty)
+
+
+@triton.jit
+def band_forward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, spd,
+                 szb, szh, szt, H, M, T, n_pos, history, dh, scale, ramp,
+                 OUT, LSE, sob, soh, sot, SEED, p_drop,
+                 HAS_Z: tl.constexpr, DH: tl.constexpr, DROPOUT: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Output and log-normaliser of a tile of queries of one head (online softmax)."""
+    bh = tl.program_id(1)
+    b, h, w, start, t, e, rows, q, z = _tile(Q, Z, WIN, LSE, sqb, sqh, sqt, szb, szh, szt, H,
+                                             M, dh, DH, BLOCK)
+    acc_type = LSE.dtype.element_ty  # fp32, or fp64 for fp64 inputs
+    top = tl.full((BLOCK,), -1e30, acc_type)
+    total = tl.zeros((BLOCK,), acc_type)
+    acc = tl.zeros((BLOCK, DH), acc_type)
+    for r0 in range(history + start - w, history + start + BLOCK - 1, BLOCK):
+        s = _scores(q, K, POS, b * skb + h * skh, skt, spd, z, start, r0, history, w, T, n_pos,
+                    dh, scale, ramp, HAS_Z, DH, BLOCK)[0]
+        new_top = tl.maximum(top, tl.max(s, 1))
+        alpha = tl.exp(top - new_top)
+        weights = tl.exp(s - new_top[:, None])
+        total = total * alpha + tl.sum(weights, 1)
+        r = r0 + tl.arange(0, BLOCK)
+        if DROPOUT:
+            keep = _keep(SEED, bh, t, r, T, p_drop, BLOCK)
+            weights = tl.where(keep, weights / (1.0 - p_drop), 0.0)
+        v = tl.load(V + b * svb + h * svh + r[:, None] * svt + e[None, :],
+                    mask=(r[:, None] >= 0) & (r[:, None] < T) & (e[None, :] < dh), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
+        top = new_top
+    out = acc / total[:, None]
+    tl.store(OUT + b * sob + h * soh + t[:, None] * sot + e[None, :], out.to(OUT.dtype.element_ty),
+             mask=rows)
+    tl.store(LSE + (b * H + h) * M + t, top + tl.log(total), mask=t < M)
+
+
+@triton.jit
+def _position_gradients(grad_s, q, p, GPOS, first, spd, n_pos, dh, DH: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """The gradient of a tile's position scores, back in the 2 BLOCK rows of p_d it read
+    (from ``first``): added to p_d's gradient atomically; returns the queries' share."""
+    c = tl.arange(0, 2 * BLOCK)
+    j = tl.arange(0, BLOCK)[:, None] - c[None, :] + BLOCK - 1  # key of (query, distance row)
+    grad_position = tl.where((j >= 0) & (j < BLOCK),
+                             tl.gather(grad_s, tl.minimum(tl.maximum(j, 0), BLOCK - 1), 1), 0.0)
+    dd = first + c
+    e = tl.arange(0, DH)
+    tl.atomic_add(GPOS + (dd[:, None] - 1) * spd + e[None, :],
+                  tl.dot(tl.trans(grad_position.to(q.dtype)), q),
+                  mask=(dd[:, None] >= 1) & (dd[:, None] <= n_pos) & (e[None, :] < dh))
+    return tl.dot(grad_position.to(q.dtype), p.to(q.dtype))
+
+
+@triton.jit
+def band_backward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, spd,
+                  szb, szh, szt, H, M, T, n_pos, history, dh, scale, ramp,
+                  OUT, LSE, GO, GQ, GK, GPOS, GZ, sgb, sgh, sgt, sdb, sdh, sdt,
+                  sgkb, sgkh, sgkt, sgv, SEED, p_drop,
+                  HAS_Z: tl.constexpr, DH: tl.constexpr, DROPOUT: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Gradients of a tile of queries of one head: written for q and z, added atomically
+    for k and v (the gradient of v ``sgv`` after that of k, with the same strides) and p_d.
+    OUT shares the strides of GO."""
+    bh = tl.program_id(1)
+    b, h, w, start, t, e, rows, q, z = _tile(Q, Z, WIN, LSE, sqb, sqh, sqt, szb, szh, szt, H,
+                                             M, dh, DH, BLOCK)
+    acc_type = LSE.dtype.element_ty  # fp32, or fp64 for fp64 inputs
+    go = tl.load(GO + b * sgb + h * sgh + t[:, None] * sgt + e[None, :], mask=rows, other=0.0)
+    o = tl.load(OUT + b * sgb + h * sgh + t[:, None] * sgt + e[None, :], mask=rows, other=0.0)
+    lse = tl.load(LSE + bh * M + t, mask=t < M, other=0.0)
+    delta = tl.sum(go.to(acc_type) * o.to(acc_type), 1)  # sum_r a_tr dA_tr
+    grad_q = tl.zeros((BLOCK, DH), acc_type)
+    grad_z = tl.zeros((BLOCK,), acc_type)
+    for r0 in range(history + start - w, history + start + BLOCK - 1, BLOCK):
+        s, k, p, first, m, valid = _scores(q, K, POS, b * skb + h * skh, skt, spd, z, start, r0,
+                                           history, w, T, n_pos, dh, scale, ramp, HAS_Z, DH,
+                                           BLOCK)
+        r = r0 + tl.arange(0, BLOCK)
+        keys = (r[:, None] >= 0) & (r[:, None] < T) & (e[None, :] < dh)
+        weights = tl.exp(s - lse[:, None])
+        v = tl.load(V + b * svb + h * svh + r[:, None] * svt + e[None, :], mask=keys, other=0.0)
+        grad_weights = tl.dot(go, tl.trans(v))
+        dropped = weights
+        if DROPOUT:
+            keep = _keep(SEED, bh, t, r, T, p_drop, BLOCK)
+            dropped = tl.where(keep, weights / (1.0 - p_drop), 0.0)
+            grad_weights = tl.where(keep, grad_weights / (1.0 - p_drop), 0.0)
+        key_rows = GK + b * sgkb + h * sgkh + r[:, None] * sgkt + e[None, :]
+        tl.atomic_add(key_rows + sgv, tl.dot(tl.trans(dropped.to(go.dtype)), go),
+                      mask=keys)
+        grad_s = weights * (grad_weights - delta[:, None])  # d loss / d s_tr
+        if HAS_Z:  # d log m / dz = 1 / (R m) where 0 < m < 1 (0 at the kinks, as band.py)
+            ramp_m = ramp * tl.maximum(m, 1e-30)
+            grad_z += tl.sum(tl.where(valid & (m < 1.0), grad_s / ramp_m, 0.0), 1)
+        grad_s = grad_s * scale
+        grad_q += tl.dot(grad_s.to(k.dtype), k)
+        tl.atomic_add(key_rows, tl.dot(tl.trans(grad_s.to(q.dtype)), q), mask=keys)
+        grad_q += _position_gradients(grad_s, q, p, GPOS, first, spd, n_pos, dh, DH, BLOCK)
+    tl.store(GQ + b * sdb + h * sdh + t[:, None] * sdt + e[None, :],
+             grad_q.to(GQ.dtype.element_ty), mask=rows)
+    if HAS_Z:
+        tl.store(GZ + bh * M + t, grad_z, mask=t < M)

@@ -1,0 +1,174 @@
+"""The tokens of a run: its tokenizer and its corpus as token ids.
+
+A new run builds the tokenizer its :class:`~adaspan.config.TrainConfig` names on the train split
+(:func:`run_tokenizer`) and saves it in the run directory (``tokenizer.json``); evaluating,
+sampling and resuming read it back (:func:`saved_tokenizer`), so every command of a run uses
+the same tokens. :func:`encode_corpus` turns the three splits into ids (cached on disk) with,
+per token, where its bytes end in the text (:class:`~adaspan.data.tokenizer.Encoded`): scores per
+byte of the original text (bits per byte, the bpc of a byte run) come from these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from ..config import ConfigError, ModelConfig, TrainConfig
+from ..data.corpora import SPLITS, Corpus, load_corpus
+from ..data.download import data_dir as data_root
+from ..data.tokenizer import (
+    TOKENIZERS,
+    ByteTokenizer,
+    Encoded,
+    Tokenizer,
+    TokenizerError,
+    WordTokenizer,
+    build,
+    load,
+    tokenize_splits,
+)
+from .checkpoint import RunDir, RunDirError
+from .official import (
+    ByteSymbols,
+    OfficialFormatError,
+    byte_codec,
+    encode_split,
+    read_vocab,
+    symbol_ends,
+)
+
+
+@dataclass(frozen=True)
+class TokenCorpus:
+    """A corpus as a tokenizer's ids: ``splits`` maps train/valid/test to their
+    :class:`~adaspan.data.tokenizer.Encoded` (ids, and where each token ends in the text)."""
+
+    name: str
+    tokenizer: Tokenizer
+    splits: dict[str, Encoded]
+
+    def split(self, name: str) -> np.ndarray:
+        """The token ids of split ``name``."""
+        return self.splits[name].ids
+
+    def ends(self, name: str) -> np.ndarray | None:
+        """Where each token of split ``name`` ends in its text (None: one byte per token)."""
+        return self.splits[name].ends
+
+    @property
+    def train(self) -> np.ndarray:
+        return self.split("train")
+
+    @property
+    def valid(self) -> np.ndarray:
+        return self.split("valid")
+
+    def bytes_per_token(self, name: str = "train") -> float:
+        """Average bytes of text per token of split ``name`` (1 for bytes)."""
+        ends = self.ends(name)
+        return 1.0 if ends is None or not len(ends) else float(ends[-1]) / len(ends)
+
+
+def run_tokenizer(config: TrainConfig, corpus: Corpus, vocab_size: int,
+                  progress: bool = True) -> Tokenizer:
+    """The tokenizer of a new run: ``config.tokenizer`` built on the train split of ``corpus``
+    to ``vocab_size`` tokens (or read from ``config.tokenizer_file``), cached under the data
+    root (``config.data_dir``)."""
+    return build(config.tokenizer, corpus.train, vocab_size=vocab_size, min_count=1,
+                 file=config.tokenizer_file, cache_root=data_root(config.data_dir),
+                 progress=progress)
+
+
+def check_vocab(model_config: ModelConfig, tokenizer: Tokenizer) -> None:
+    """The model's ``vocab_size`` must be the tokenizer's (:meth:`Tokenizer.fits`)."""
+    size, wanted = model_config.vocab_size, tokenizer.vocab_size
+    if not tokenizer.fits(size):
+        raise ConfigError(f"vocab_size={size} does not fit the {tokenizer.name} tokenizer, "
+                          f"which has {wanted} tokens: set vocab_size={wanted}")
+
+
+def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, data_dir: str | None = None,
+                  progress: bool = True, splits: tuple[str, ...] = SPLITS) -> TokenCorpus:
+    """``splits`` of ``corpus`` as ids of ``tokenizer``, cached under the data root (bytes:
+    the corpus's own arrays, no copy)."""
+    encoded = tokenize_splits({name: corpus.split(name) for name in splits}, tokenizer,
+                              data_root(data_dir), progress)
+    return TokenCorpus(corpus.name, tokenizer, encoded)
+
+
+def saved_tokenizer(run_dir: str | Path | RunDir) -> Tokenizer:
+    """The tokenizer saved in a run directory; bytes for a run saved without one (adaspan
+    0.7 and earlier)."""
+    path = RunDir(run_dir).tokenizer_file
+    if not path.is_file():
+        return ByteTokenizer()
+    try:
+        return load(path)
+    except TokenizerError as exc:
+        raise RunDirError(str(exc)) from None
+
+
+class RunSplit(NamedTuple):
+    """A split of a run's corpus as its tokens: ids, the corpus's name, what one token is,
+    and where each token ends in the text (None: one byte per token)."""
+
+    tokens: np.ndarray
+    name: str
+    unit: str
+    ends: np.ndarray | None
+
+
+def run_split(run_dir: str | Path, split: str, data: str | Path | None = None,
+              data_dir: str | Path | None = None, progress: bool = True) -> RunSplit:
+    """Split ``split`` of the corpus of ``run_dir``, or of ``data``, as the run's tokens (its
+    saved tokenizer; ``data_dir``: where corpora and tokens are cached, default the run's), or
+    for a converted run the symbol ids of a directory in the authors' format."""
+    saved = RunDir(run_dir).load_config()[1]
+    vocab = read_vocab(run_dir)
+    if vocab is not None:
+        folder = data or saved.data
+        ids = encode_split(folder, split, vocab)
+        return RunSplit(ids, f"{folder} (authors' format)", "symbol", symbol_ends(ids, vocab))
+    data_dir = data_dir or saved.data_dir
+    corpus = load_corpus(data or saved.data, data_dir, progress=progress)
+    tokens = encode_corpus(corpus, saved_tokenizer(run_dir), data_dir and str(data_dir),
+                           progress, (split,))
+    return RunSplit(tokens.split(split), corpus.name, tokens.tokenizer.unit, tokens.ends(split))
+
+
+def run_codec(run_dir: str | Path) -> Tokenizer | ByteSymbols:
+    """Text to the token ids of ``run_dir`` and back (``encode``, ``pieces``): its tokenizer,
+    or for a converted run its vocabulary of symbols."""
+    vocab = read_vocab(run_dir)
+    if vocab is None:
+        return saved_tokenizer(run_dir)
+    try:
+        return ByteSymbols(*byte_codec(vocab))
+    except OfficialFormatError:
+        pass
+    try:  # words: the authors' symbols, in their order
+        return WordTokenizer(vocab, min_count=1)
+    except TokenizerError as exc:
+        raise OfficialFormatError(f"{RunDir(run_dir).vocab_file}: {exc}") from None
+
+
+def per_byte(config: TrainConfig, model_config: ModelConfig, figures: dict,
+             progress: bool = True) -> dict:
+    """``figures`` of ``adaspan bench`` per token (``*_chars_per_s``, ``flops_per_char``) also
+    per byte of text, for a tokenizer that learns its tokens: the corpus's valid split read
+    as the tokens of ``config`` says how many bytes a token is on average. Empty for bytes
+    (the corpus is then not read)."""
+    if not TOKENIZERS[config.tokenizer].learned:
+        return {}
+    corpus = load_corpus(config.data, config.data_dir, progress=progress)
+    tokenizer = run_tokenizer(config, corpus, model_config.vocab_size, progress)
+    check_vocab(model_config, tokenizer)
+    ratio = encode_corpus(corpus, tokenizer, config.data_dir, progress,
+                          ("valid",)).bytes_per_token("valid")
+    rates = {key.replace("_chars_per_s", "_bytes_per_s"): value * ratio
+             for key, value in figures.items() if key.endswith("_chars_per_s")}
+    return {"tokenizer": config.tokenizer, "bytes_per_token": ratio, **rates,
+            "flops_per_byte": figures["flops_per_char"] / ratio}
