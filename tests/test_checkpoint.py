@@ -53,7 +53,12 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
 
 
 def opened(run_dir: Path, config: TrainConfig, resume: bool = True) -> RunComplete | None:
-    return RunDir(run_dir).open(TRAIN_MODEL, config, resume, Distributed())
+    """What opening ``run_dir`` to train gives, its writer lock released again."""
+    run = RunDir(run_dir)
+    try:
+        return run.open(TRAIN_MODEL, config, resume, Distributed())
+    finally:
+        run.close()
 
 
 def test_a_run_directory_names_every_file_of_a_run(tmp_path):

@@ -84,8 +84,8 @@ def _assert_same_weights(run: Path, expected: dict[str, torch.Tensor]) -> None:
 _CHILD = """
 import importlib, os, signal, sys, threading, time
 checkpoint = importlib.import_module("adaspan.training.checkpoint")
-training = importlib.import_module("adaspan.training.train")  # (adaspan.training.train is also the
-function) target, kill_step, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+training = importlib.import_module("adaspan.training.train")
+target, kill_step, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 calls, steps, replace, step = [0], [0], os.replace, training.train_step
 def kill():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -231,7 +231,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, corpus_file, monkey
     code = main(["train", "--resume", str(run), "--no-progress", "steps=6"])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("adaspan: error: No space left on device")
+    assert err[-1].startswith("adaspan: error: no space left on device while training in")
+    assert "the checkpoint of step 4 is intact" in err[-1]
     monkeypatch.undo()
     model = SpanLM(MODEL)
     optimizer = build_optimizer(model, TrainConfig(optimizer="adamw"))

@@ -4,8 +4,8 @@ Token embedding -> ``n_layers`` post-norm layers (span attention + ReLU feed-for
 ``feed_forward=False``) -> output projection to log-probabilities. With ``adaptive_io`` the
 embedding is an adaptive input and the output an adaptive softmax
 (:mod:`adaspan.model.adaptive_io`), for large vocabularies. Each layer keeps a cache of the
-hidden states of the previous blocks (Transformer-XL style), trimmed to what its heads can still see, so a stream is processed
-block by block::
+hidden states of the previous blocks (Transformer-XL style), trimmed to what its heads can still
+see, so a stream is processed block by block::
 
     cache = model.empty_cache(batch_size)  # keys_values=True for inference (attention.cache)
     for block in blocks:

@@ -59,7 +59,7 @@ from ..data.files import TEMP_SUFFIX, atomic_write, load_pickled_tensors
 from ..errors import UserError, one_line
 from ..model.lm import SpanLM
 from .distributed import Distributed
-from .lock import WRITER_FILE
+from .lock import WRITER_FILE, WriterLock, hold
 from .metrics import MetricsLog
 
 CONFIG_FILE = "config.json"
@@ -120,6 +120,7 @@ class RunDir:
         self.report_dir = self.path / REPORT_DIR
         self.vocab_file = self.path / VOCAB_FILE
         self.tokenizer_file = self.path / TOKENIZER_FILE
+        self._lock: WriterLock | None = None
 
     def __fspath__(self) -> str:
         return str(self.path)
@@ -158,7 +159,8 @@ class RunDir:
         run (:meth:`require_new`), or with ``resume`` one that exists, was set up alike (the
         model, and the options fixed on resume), is writable and has steps left before
         ``config.steps`` (a run at exactly ``steps`` is :class:`RunComplete`, returned; past
-        them, RunDirError). Then, once every rank has checked, rank 0 removes what an
+        them, RunDirError). Then it takes the writer lock (:func:`~adaspan.training.lock.hold`;
+        :meth:`close` releases it) and, once every rank has checked, rank 0 removes what an
         interrupted save left."""
         if not resume:
             self.require_new()
@@ -172,10 +174,17 @@ class RunDir:
                     return RunComplete(self.path, step)
                 raise RunDirError(f"{self} is at step {step:,}, steps={config.steps:,}: nothing "
                                   "to train; pass a larger steps=N to continue it")
+        self._lock = hold(self.path, dist)  # one writer: before anything is written
         dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
         if dist.is_main and self.path.is_dir():
-            self._remove_temporaries()
+            _remove_temporaries(self)
         return None
+
+    def close(self) -> None:
+        """Release the writer lock that :meth:`open` took, if it did."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def create(self, model_config: ModelConfig, train_config: TrainConfig,
                weights: dict[str, torch.Tensor] | None = None, step: int = 0,
@@ -244,14 +253,15 @@ class RunDir:
                 return path
         return None
 
-    def _remove_temporaries(self) -> None:
-        """Delete the temporary files that an interrupted atomic write left, and the ranks'
-        parts of the state that an interrupted or superseded checkpoint left."""
-        for path in self.path.glob(f".*{TEMP_SUFFIX}"):
-            if path.is_file():
-                path.unlink(missing_ok=True)
-        last = self.saved_step()
-        _remove_parts(self, keep=lambda step: step == last)
+
+def _remove_temporaries(run: RunDir) -> None:
+    """Delete the temporary files that an interrupted atomic write left, and the ranks'
+    parts of the state that an interrupted or superseded checkpoint left."""
+    for path in run.path.glob(f".*{TEMP_SUFFIX}"):
+        if path.is_file():
+            path.unlink(missing_ok=True)
+    last = run.saved_step()
+    _remove_parts(run, keep=lambda step: step == last)
 
 
 def _remove_parts(run: RunDir, keep: Callable[[int], bool]) -> None:

@@ -19,13 +19,17 @@ class DiskFullError(UserError):
 
 def checkpoint_bytes(model: SpanLM, config: TrainConfig) -> int:
     """Bytes of one checkpoint: the weights file, and the state file with the weights again,
-    the optimiser's state (float32) and the streams' cache at the spans the heads reach now."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    the optimiser's state (float32), the streams' cache at the spans the heads reach now, and
+    the files' headers (a few hundred bytes for each tensor's name and shape, about 4 tensors
+    per weight in all) and RNG states (16 KiB)."""
+    tensors = model.state_dict()
+    weights = sum(t.numel() * t.element_size() for t in tensors.values())
     optimizer = STATE_PER_PARAMETER[config.optimizer] * sum(
         p.numel() * 4 for p in model.parameters())
     reach = sum(max(layer.attn.reach(config.block_size)) for layer in model.layers)
     cache = config.batch_size * int(reach) * model.config.d_model * 4
-    return 2 * weights + optimizer + cache
+    overhead = 16_384 + 4 * 256 * len(tensors)
+    return 2 * weights + optimizer + cache + overhead
 
 
 def check_disk_space(run: RunDir, model: SpanLM, config: TrainConfig, resuming: bool) -> int:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UserError
@@ -31,6 +29,7 @@ class WriterLock:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.pid_file = folder / WRITER_FILE
+        self.made = False  # the folder was made to be locked
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -49,10 +48,13 @@ class WriterLock:
         self.pid_file.write_text(f"{os.getpid()}\n")
 
     def release(self) -> None:
+        """Release the lock; a folder made to be locked goes too if nothing was written."""
         if self._fd is not None:
             self.pid_file.unlink(missing_ok=True)
             os.close(self._fd)  # closing the descriptor releases the lock
             self._fd = None
+            if self.made and not any(self.folder.iterdir()):
+                self.folder.rmdir()
 
     def _holder(self) -> str:
         try:
@@ -61,27 +63,17 @@ class WriterLock:
             return "unknown"
 
 
-@contextmanager
-def writing(folder: Path, dist: Distributed) -> Iterator[None]:
-    """Hold the writer lock of run directory ``folder`` while training there (rank 0 holds it
-    for every rank of a job): a second writer is refused, on every rank, before anything is
-    read or written (:class:`RunLockedError`). A folder made only to hold the lock is removed
-    again if nothing else was written to it."""
-    made = not folder.exists()
+def hold(folder: Path, dist: Distributed) -> WriterLock:
+    """The writer lock of run directory ``folder``, made if new, taken by rank 0 for every
+    rank of a job: a second writer is refused on every rank (:class:`RunLockedError`)."""
     lock, refused = WriterLock(folder), None
     if dist.is_main:
+        lock.made = not folder.exists()
+        folder.mkdir(parents=True, exist_ok=True)
         try:
-            folder.mkdir(parents=True, exist_ok=True)
             lock.acquire()
-        except RunLockedError as exc:
+        except (RunLockedError, OSError) as exc:
             refused = exc
-        except OSError:  # not writable: the run directory's checks say so
-            made = False
     if dist.agree([refused is not None])[0]:
-        raise refused or RunLockedError(f"{folder} is being written by another process")
-    try:
-        yield
-    finally:
-        lock.release()
-        if made and dist.is_main and not any(folder.iterdir()):
-            folder.rmdir()
+        raise refused or RunLockedError(f"{folder}: rank 0 could not take the writer lock")
+    return lock

@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -41,7 +41,6 @@ from .checkpoint import RunComplete, RunDir, TrainingState, stored_form
 from .disk import DiskFullError, check_disk_space, disk_full_error
 from .distributed import Distributed, resolve_device, use_threads
 from .evaluate import evaluate
-from .lock import writing
 from .memory import MemoryPlan, MemoryWatch, check_training_memory, memory_available
 from .optim import build_optimizer, build_scheduler, lr_factor, step_with_tensor_clip
 from .precision import Precision, choose
@@ -129,7 +128,7 @@ def train(
     owns_group = dist.start(device)
     run_dir = RunDir(run_dir)
     try:
-        with writing(run_dir.path, dist), _disk_full_reported(run_dir):
+        with closing(run_dir), _disk_full_reported(run_dir):
             run = build_run(model_config, train_config, run_dir, resume, device, dist,
                             progress and dist.is_main)
             if isinstance(run, RunComplete):
