@@ -30,6 +30,7 @@ from adaspan.training.checkpoint import (
 )
 from adaspan.training.distributed import DeviceError, Distributed, resolve_device
 from adaspan.training.evaluate import evaluate
+from adaspan.training.lock import RunLockedError, WriterLock
 from adaspan.training.optim import build_optimizer, build_scheduler
 from adaspan.training.train import train
 
@@ -61,6 +62,20 @@ def _worker(rank: int, store: Path, data: str, out: Path, dtype: str) -> None:
                             dtype=dtype, **options) for options in ({}, {"max_chars": 21})]
         (out / f"eval-{rank}.json").write_text(json.dumps(results))
         run_quietly(out / "run", _config(data, dtype=dtype), MODEL)
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def _refused_worker(rank: int, store: Path, data: str, run: Path, out: Path) -> None:
+    """One of 2 torchrun-like processes resuming ``run`` while another process writes it:
+    writes what refused it."""
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))
+    torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                  world_size=2)
+    try:
+        run_quietly(run, _config(data, steps=5), MODEL, resume=True)
+    except RunLockedError as exc:
+        (out / f"refused-{rank}.txt").write_text(str(exc))
     finally:
         torch_dist.destroy_process_group()
 
@@ -104,6 +119,27 @@ def test_two_processes_validate_as_one(request, corpus_file, dtype, outputs):
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 3 and last["precision"] == dtype
     assert last["valid_bpc"] == pytest.approx(alone["bpc"], abs=tolerance)
+
+
+def test_the_ranks_of_a_job_are_one_writer_and_all_refused_together(two_processes, tmp_path,
+                                                                     corpus_file):
+    """Rank 0 holds the lock for the job (the ranks of :func:`_worker` trained together); a
+    job resuming a run that another process writes is refused on every rank, the run left
+    as it was."""
+    run = two_processes / "run"
+    before = load_file(run / "model.safetensors")
+    lock = WriterLock(run)
+    lock.acquire()
+    try:
+        run_processes(_refused_worker, (tmp_path / "store", corpus_file, run, tmp_path),
+                      "the 2 refused processes")
+    finally:
+        lock.release()
+    for rank in (0, 1):
+        assert "is being written by another process" in (
+            tmp_path / f"refused-{rank}.txt").read_text()
+    after = load_file(run / "model.safetensors")
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
 
 
 def _load(run: Path, dist: Distributed):

@@ -69,11 +69,12 @@ def hold(folder: Path, dist: Distributed) -> WriterLock:
     lock, refused = WriterLock(folder), None
     if dist.is_main:
         lock.made = not folder.exists()
-        folder.mkdir(parents=True, exist_ok=True)
         try:
+            folder.mkdir(parents=True, exist_ok=True)
             lock.acquire()
         except (RunLockedError, OSError) as exc:
             refused = exc
     if dist.agree([refused is not None])[0]:
-        raise refused or RunLockedError(f"{folder}: rank 0 could not take the writer lock")
+        raise refused or RunLockedError(
+            f"{folder} is being written by another process (rank 0 could not take its lock)")
     return lock
