@@ -1,4 +1,4 @@
-"""Make the fixture of tests/test_official.py for adaptive input/output by running the authors'
+"""Make the fixture of tests/training/test_official.py for adaptive input/output by running the authors'
 model code once (their code is read here, never by the tests).
 
 Usage:

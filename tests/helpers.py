@@ -13,6 +13,7 @@ from adaspan import ModelConfig, SpanLM, TrainConfig, train
 from adaspan.attention.registry import ATTENTIONS
 from adaspan.attention.span import AdaptiveSpan, DynamicSpan
 from adaspan.attention.span_attention import SpanAttention
+from adaspan.training.checkpoint import load_model
 
 # Spans (in tokens) given to adaptive heads by tiny(): per layer and head, capped at max_span.
 TINY_SPANS = [[10.0, 20.0, 40.0, 64.0], [8.0, 9.0, 33.0, 17.5]]
@@ -122,3 +123,14 @@ def load_script(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights saved in ``run_dir``."""
+    return load_model(run_dir).state_dict()
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -87,3 +87,17 @@ def distances_that_move(model, tokens: Tensor, t: int, distances) -> list[bool]:
             changed[0, t - distance] = (changed[0, t - distance] + 7) % model.config.vocab_size
             moved.append(not torch.allclose(model(changed)[0][0, t], base, atol=1e-6))
     return moved
+
+
+def gradients_against_reference(attn, x, cache) -> list[dict]:
+    """Parameter gradients of a random projection of ``attn``'s output and of the naive
+    reference's, checked equal; returned (fast, reference)."""
+    weights = torch.randn(*x.shape, dtype=torch.float64)
+    grads = []
+    for forward in (lambda: attn(x, cache)[0], lambda: reference_attention(attn, x, cache)):
+        attn.zero_grad()
+        (forward() * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in attn.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], atol=1e-8, rtol=1e-6, msg=name)
+    return grads

@@ -8,9 +8,15 @@ import math
 
 import pytest
 import torch
-from helpers import run_quietly, span_attention, tiny, tiny_train_config
+from helpers import (
+    assert_same_weights,
+    run_quietly,
+    span_attention,
+    tiny,
+    tiny_train_config,
+    weights,
+)
 from reference import reference_z
-from test_train import assert_same_weights, weights
 
 from adaspan import ModelConfig
 from adaspan.attention.band import banded_attention

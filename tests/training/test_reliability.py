@@ -37,7 +37,7 @@ from adaspan.training.train import train_step
 
 MODEL = TRAIN_MODEL
 STEPS = 12
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _options(data: str, **changes) -> dict:

@@ -323,7 +323,7 @@ def test_unknown_symbol_names_symbol_and_line(adaptive_run, tmp_path, texts, cap
 
 # ------------------------------------------------- persistent memory: their code's own output
 
-PERSISTENT = Path(__file__).parent / "fixtures" / "persistent"
+PERSISTENT = Path(__file__).parents[1] / "fixtures" / "persistent"
 
 
 @pytest.fixture(scope="module")
@@ -436,7 +436,7 @@ def test_run_codec_maps_bytes_to_the_tokens_of_the_run_and_back(adaptive_run, by
 
 # ------------------------------------------------ adaptive input/output: their code's own output
 
-ADAPTIVE_IO = Path(__file__).parent / "fixtures" / "adaptive_io"
+ADAPTIVE_IO = Path(__file__).parents[1] / "fixtures" / "adaptive_io"
 
 
 def word_symbols(text: str) -> list[str]:

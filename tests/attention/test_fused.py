@@ -13,8 +13,7 @@ if not torch.cuda.is_available():  # the interpreter is chosen before Triton is 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers import span_attention, span_variants, tiny
-from reference import reference_attention, run_blocks
-from test_attention import _gradients_against_reference
+from reference import gradients_against_reference, reference_attention, run_blocks
 
 from adaspan.attention import fused
 from adaspan.attention.span_attention import use_kernel
@@ -53,7 +52,7 @@ def test_fused_gradients_match_reference(kind, spans):
         attn.span.set_spans(torch.tensor(spans))
     x, cache = (torch.randn(2, 19, 16, dtype=torch.float64),
                 torch.randn(2, 20, 16, dtype=torch.float64))
-    grads = _gradients_against_reference(attn, x, cache)
+    grads = gradients_against_reference(attn, x, cache)
     assert all(g.abs().sum() > 0 for n, g in grads[0].items() if n.startswith("span."))
 
 

@@ -16,7 +16,14 @@ import pytest
 import torch
 import torch.multiprocessing
 import torch.nn.functional as F
-from helpers import TRAIN_MODEL, run_processes, run_quietly, tiny_train_config
+from helpers import (
+    TRAIN_MODEL,
+    assert_same_weights,
+    run_processes,
+    run_quietly,
+    tiny_train_config,
+    weights,
+)
 
 from adaspan import SpanLM
 from adaspan.attention.cache import StreamCache
@@ -40,10 +47,6 @@ RECORD_FIELDS = {"step", "train_bpc", "valid_bpc", "lr", "chars_per_s", "avg_spa
                  "layer_avg_span", "layer_max_span", "head_spans", "elapsed", "precision"}
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_model(run_dir).state_dict()
-
-
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -62,12 +65,6 @@ def uninterrupted(tmp_path_factory, corpus_file) -> dict[str, torch.Tensor]:
     run_dir = tmp_path_factory.mktemp("runs") / "straight"
     run_quietly(run_dir, tiny_train_config(corpus_file))
     return weights(run_dir)
-
-
-def assert_same_weights(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def test_resume_equals_uninterrupted(tmp_path, corpus_file, uninterrupted):

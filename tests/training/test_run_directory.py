@@ -27,7 +27,7 @@ from adaspan.training.disk import DiskFullError, check_disk_space, checkpoint_by
 from adaspan.training.lock import WRITER_FILE, RunLockedError, WriterLock
 from adaspan.training.train import _Loop
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _options(data: str, **changes) -> TrainConfig:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from helpers import span_attention, span_variants
-from reference import reference_attention
+from reference import gradients_against_reference, reference_attention
 
 from adaspan import soft_mask
 from adaspan.attention import band
@@ -65,7 +65,7 @@ def test_gradients_match_reference(kind, spans):
         attn.span.set_spans(torch.tensor(spans))
     x, cache = torch.randn(2, 6, 16, dtype=torch.float64), torch.randn(2, 20, 16,
                                                                        dtype=torch.float64)
-    grads = _gradients_against_reference(attn, x, cache)
+    grads = gradients_against_reference(attn, x, cache)
     span_params = [n for n in grads[0] if n.startswith("span.")]
     assert isinstance(attn.span, FixedSpan) == (not span_params)
     for name in span_params:  # z (adaptive) and v, b (dynamic) receive gradient
@@ -206,19 +206,5 @@ def test_one_span_per_layer_matches_reference_in_one_head_group(kind):
                 torch.randn(2, 40, 16, dtype=torch.float64))
     windows = attn.key_windows(attn.span(x))
     assert len(attn._layout(tuple(windows), x.device).groups) == 1
-    grads = _gradients_against_reference(attn, x, cache)
+    grads = gradients_against_reference(attn, x, cache)
     assert all(grads[0][n].abs().sum() > 0 for n in grads[0] if n.startswith("span."))
-
-
-def _gradients_against_reference(attn, x, cache) -> list[dict]:
-    """Parameter gradients of a random projection of ``attn``'s output and of the naive
-    reference's, checked equal; returned (fast, reference)."""
-    weights = torch.randn(*x.shape, dtype=torch.float64)
-    grads = []
-    for forward in (lambda: attn(x, cache)[0], lambda: reference_attention(attn, x, cache)):
-        attn.zero_grad()
-        (forward() * weights).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in attn.named_parameters()})
-    for name, grad in grads[0].items():
-        torch.testing.assert_close(grad, grads[1][name], atol=1e-8, rtol=1e-6, msg=name)
-    return grads
