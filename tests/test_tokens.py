@@ -16,6 +16,7 @@ from adaspan.checkpoint import RunDir, load_model
 from adaspan.cli import main
 from adaspan.data import load_corpus
 from adaspan.evaluate import evaluate
+from adaspan.tokenizer import EOS, UNK
 from adaspan.tokens import run_codec, run_split, saved_tokenizer
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "ramp=8",
@@ -87,13 +88,13 @@ def test_evaluate_gives_bits_per_byte_of_the_text_and_perplexity(trained, corpus
     text = load_corpus(str(corpus), progress=False).valid.tobytes()
     codec = run_codec(run)
     first = len(b"".join(codec.pieces(tokens[:1])))  # the one token that is no target
-    if tokenizer == "words":  # whitespace goes to a neighbour: all but the first word's bytes
-        first = len(text) - len(text.lstrip()) + len(text.split()[0])
     covered = len(text) - first
+    assert codec.decode(tokens) == text  # every tokenizer a run trains keeps the text
     assert result["bytes"] == covered and result["chars"] == len(tokens) - 1
     assert result["bpc"] == pytest.approx(nats / covered / math.log(2), rel=1e-6)
     assert result["perplexity"] == pytest.approx(math.exp(nats / result["chars"]), rel=1e-6)
     assert result["unit"] == {"bytes": "character", "words": "word", "bpe": "token"}[tokenizer]
+    assert result["unk_bytes"] == 0 and result["bpc_lower_bound"] is False
     assert main(["evaluate", str(run), "--max-chars", "64", "--no-progress"]) == 0
     first_line = capsys.readouterr().out.splitlines()[0]
     assert ("bpc over" in first_line) == (tokenizer == "bytes")
@@ -101,15 +102,14 @@ def test_evaluate_gives_bits_per_byte_of_the_text_and_perplexity(trained, corpus
 
 
 def test_generation_streams_whole_tokens_of_the_run(trained, capsys):
-    tokenizer, run = trained
+    _, run = trained
     assert main(["generate", str(run), "--prompt", "And God said", "--length", "12", "--json",
                  "--seed", "3"]) == 0
     result = last_json(capsys)
     codec = run_codec(run)
     ids = codec.encode(result["text"].encode()).ids
     assert result["tokens"] == 12 and result["text"]
-    if tokenizer == "bpe":  # byte-level: the text is the sampled tokens' bytes, re-encodable
-        assert codec.decode(ids) == result["text"].encode()
+    assert codec.decode(ids) == result["text"].encode()  # lossless: re-encodable
     model = load_model(run)
     prompt = codec.encode(b"And God said").ids.tolist()
     generator = torch.Generator().manual_seed(3)
@@ -129,6 +129,33 @@ def test_evaluate_scores_the_same_bytes_whatever_the_tokenizer(trained, corpus):
     text = load_corpus(str(corpus), progress=False).valid
     ends = split.ends if split.ends is not None else np.arange(1, len(text) + 1)
     assert int(ends[-1]) == len(text) and result["bytes"] == len(text) - int(ends[0])
+
+
+def test_bits_per_byte_under_unk_is_flagged_as_a_lower_bound(corpus, tmp_path, capsys):
+    """A run on a words vocabulary with <unk> (adaspan 0.8's format): evaluate says which share
+    of the bytes is under <unk> and that the bpc is a lower bound, in the JSON and in words."""
+    counts: dict[str, int] = {}
+    for word in corpus.read_bytes().decode().split():
+        counts[word] = counts.get(word, 0) + 1
+    symbols = [EOS, UNK, *sorted(counts, key=counts.__getitem__, reverse=True)[:98]]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"adaspan_tokenizer": "words", "version": 1, "min_count": 1,
+                               "max_size": 100, "symbols": symbols}))
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *options(corpus, tmp_path, "words"),
+                 f"tokenizer_file={old}", "vocab_size=100", "steps=2"]) == 0
+    assert main(["evaluate", str(run), "--no-progress", "--json"]) == 0
+    result = last_json(capsys)
+    split = run_split(run, "valid", progress=False)
+    targets = result["streams"] * result["stream_chars"]
+    naive = sum(int(split.ends[j] - split.ends[j - 1]) for j in range(1, targets + 1)
+                if split.tokens[j] == symbols.index(UNK))
+    assert result["unk_bytes"] == naive > 0 and result["bpc_lower_bound"] is True
+    assert result["unk_share"] == pytest.approx(naive / result["bytes"])
+    assert main(["evaluate", str(run), "--no-progress"]) == 0
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert f"a lower bound: {naive / result['bytes']:.1%} of the bytes are under <unk>" in \
+        first_line
 
 
 @pytest.mark.parametrize(

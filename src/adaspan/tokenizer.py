@@ -40,6 +40,7 @@ EOS, UNK = "<eos>", "<unk>"  # end of line and unknown word (the authors' words 
 BYTE_SYMBOLS = [f"<0x{b:02X}>" for b in range(256)]  # words' byte fallback, as SentencePiece
 DEFAULT_MIN_COUNT = 3
 DEFAULT_BPE_SIZE = 4096
+DEFAULT_WORDS_SIZE = 8192
 CHUNK = 1 << 20  # bytes of text encoded at a time, cut at a line end
 SAMPLE = 1 << 16  # bytes of text a user's tokenizer file must reproduce, else a warning
 _FORMAT = 2  # part of every cache key: bump when encoding changes
@@ -79,6 +80,7 @@ class Tokenizer(ABC):
     name: ClassVar[str]
     unit: ClassVar[str]  # what one token is, for labels: "character" (a byte), "word" or "token"
     learned: ClassVar[bool] = True  # its vocabulary comes from a text (and its ids are cached)
+    default_size: ClassVar[int]  # the vocabulary a run gets when it sets none for this tokenizer
 
     @property
     @abstractmethod
@@ -168,7 +170,7 @@ class Tokenizer(ABC):
 class ByteTokenizer(Tokenizer):
     """One token per byte (256 symbols): the text itself, no copy."""
 
-    name, unit, learned = "bytes", "character", False
+    name, unit, learned, default_size = "bytes", "character", False, 256
 
     @property
     def vocab_size(self) -> int:
@@ -239,7 +241,7 @@ class WordTokenizer(Tokenizer):
     line's whitespace becomes single spaces and a last line gets its ``<eos>``
     (:meth:`normalize`): the text does not come back."""
 
-    name, unit = "words", "word"
+    name, unit, default_size = "words", "word", DEFAULT_WORDS_SIZE
 
     def __init__(self, symbols: Sequence[str], min_count: int = DEFAULT_MIN_COUNT,
                  max_size: int | None = None, byte_fallback: bool = False) -> None:
@@ -381,7 +383,7 @@ class BPETokenizer(Tokenizer):
     A byte-level file gives every token its exact bytes (text that is not UTF-8 included);
     another kind of file scores each token by its character offsets."""
 
-    name, unit = "bpe", "token"
+    name, unit, default_size = "bpe", "token", DEFAULT_BPE_SIZE
 
     def __init__(self, model: hf.Tokenizer) -> None:
         self._hf, self._spec = model, json.loads(model.to_str())
