@@ -16,7 +16,8 @@ from adaspan.checkpoint import RunDir, load_model
 from adaspan.cli import main
 from adaspan.data import load_corpus
 from adaspan.evaluate import evaluate
-from adaspan.tokenizer import EOS, UNK
+from adaspan.resolve import resolve_config
+from adaspan.tokenizer import BYTE_SYMBOLS, EOS, UNK, BPETokenizer, WordTokenizer
 from adaspan.tokens import run_codec, run_split, saved_tokenizer
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "ramp=8",
@@ -156,6 +157,40 @@ def test_bits_per_byte_under_unk_is_flagged_as_a_lower_bound(corpus, tmp_path, c
     first_line = capsys.readouterr().out.splitlines()[0]
     assert f"a lower bound: {naive / result['bytes']:.1%} of the bytes are under <unk>" in \
         first_line
+
+
+def test_a_byte_preset_with_words_gets_a_words_vocabulary():
+    assert resolve_config("demo", overrides=["tokenizer=words"])[0].vocab_size == \
+        WordTokenizer.default_size == 8192
+    assert resolve_config("demo", overrides=["tokenizer=bpe"])[0].vocab_size == \
+        BPETokenizer.default_size == 4096
+    for order in (["vocab_size=4096", "tokenizer=words"], ["tokenizer=words", "vocab_size=4096"]):
+        assert resolve_config("demo", overrides=order)[0].vocab_size == 4096  # set together
+    assert resolve_config("words-small")[0].vocab_size == 8192  # the preset sets both
+    # a vocabulary set for another tokenizer is not reused: the tokenizer's own
+    assert resolve_config("words-small", overrides=["tokenizer=bpe", "cutoffs=1024,2048"]
+                          )[0].vocab_size == 4096
+    assert resolve_config(overrides=["tokenizer=bytes"])[0].vocab_size == 256
+
+
+def test_a_vocabulary_too_small_for_the_text_warns_with_the_figures(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *options(corpus, tmp_path, "words"),
+                 "steps=1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    tokenizer = saved_tokenizer(run)
+    ids = tokenizer.encode(load_corpus(str(corpus), progress=False).train).ids
+    spelled = sum(len(piece) for id, piece in zip(ids, tokenizer.pieces(ids), strict=True)
+                  if tokenizer.symbols[id] in BYTE_SYMBOLS)
+    share = spelled / sum(len(piece) for piece in tokenizer.pieces(ids))
+    assert share > 0.5
+    (line,) = [line for line in out if line.startswith("warning:")]
+    assert line == (f"warning: {share:.0%} of the train split's bytes are outside the "
+                    f"300-token words vocabulary ({share:.0%} spelled byte by byte, 0% under "
+                    "<unk>): a larger vocab_size fits this text better")
+    assert main(["train", "--run-dir", str(tmp_path / "big"), *options(corpus, tmp_path, "words"),
+                 "vocab_size=1571", "steps=1"]) == 0
+    assert "warning:" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
