@@ -73,17 +73,22 @@ class TokenCorpus:
         return 1.0 if ends is None or not len(ends) else float(ends[-1]) / len(ends)
 
     def outside(self, name: str = "train") -> tuple[float, float]:
-        """Shares of the bytes of split ``name`` outside the vocabulary: under ``<unk>``, and
-        spelled one byte a token (:attr:`~adaspan.tokenizer.Tokenizer.fallback_ids`)."""
-        ends = self.ends(name)
-        if ends is None or not len(ends):
-            return 0.0, 0.0
-        ids, lengths = np.asarray(self.split(name)), np.diff(np.asarray(ends), prepend=0)
-        spelled = np.zeros(self.tokenizer.vocab_size, bool)
-        spelled[self.tokenizer.fallback_ids] = True
-        unk = self.tokenizer.unk_id
-        under = int(lengths[ids == unk].sum()) if unk is not None else 0
-        return under / float(ends[-1]), int(lengths[spelled[ids]].sum()) / float(ends[-1])
+        """Shares of the bytes of split ``name`` outside the vocabulary (:func:`outside`)."""
+        return outside(self.tokenizer, self.split(name), self.ends(name))
+
+
+def outside(tokenizer: Tokenizer, ids: np.ndarray, ends: np.ndarray | None) -> tuple[float, float]:
+    """Shares of the bytes of a text (its tokens ``ids`` ending at ``ends``) outside the
+    vocabulary of ``tokenizer``: under ``<unk>``, and spelled one byte a token
+    (:attr:`~adaspan.tokenizer.Tokenizer.fallback_ids`); 0, 0 for bytes."""
+    if ends is None or not len(ends):
+        return 0.0, 0.0
+    ids, lengths = np.asarray(ids), np.diff(np.asarray(ends), prepend=0)
+    spelled = np.zeros(tokenizer.vocab_size, bool)
+    spelled[tokenizer.fallback_ids] = True
+    unk = tokenizer.unk_id
+    under = int(lengths[ids == unk].sum()) if unk is not None else 0
+    return under / float(ends[-1]), int(lengths[spelled[ids]].sum()) / float(ends[-1])
 
 
 def run_tokenizer(config: TrainConfig, corpus: Corpus, vocab_size: int,
