@@ -3,15 +3,16 @@
 :data:`TOKENIZERS` maps each name to its class (filled by :func:`register`); :func:`build` makes
 one from a training text, :func:`load` reads one back from the ``tokenizer.json`` that
 :meth:`Tokenizer.save` writes: ``{"adaspan_tokenizer": NAME, "version": 1, ...}`` (words: its
-``symbols`` by id; bpe: Hugging Face's own serialisation under ``"hf"``); :func:`load` also reads
-a plain Hugging Face ``tokenizer.json``.
+``symbols`` by id, version 2 with ``"byte_fallback": true``, version 1 the vocabularies with
+``<unk>`` of adaspan 0.8 and earlier; bpe: Hugging Face's own serialisation under ``"hf"``);
+:func:`load` also reads a plain Hugging Face ``tokenizer.json``.
 
 :meth:`Tokenizer.encode` gives the ids of a text and, per token, the byte offset where it ends
 in the text (:class:`Encoded`): every byte belongs to exactly one token, so scores per byte of
 the original text stay exact whatever the tokenizer. :func:`tokenize_splits` caches the ids of
 a corpus under ``<cache_root>/tokens/<key>/{ids,ends}.npy``; :func:`build` caches trained
 tokenizers under ``<cache_root>/tokenizers/<key>.json``. Texts are UTF-8; bytes that are not
-valid UTF-8 are kept exactly (bytes, bpe) or as parts of words (words).
+valid UTF-8 are kept exactly (words without byte fallback: as parts of words).
 """
 
 from __future__ import annotations
