@@ -37,6 +37,7 @@ TOKENS = {
               "div_val=4", "tie_io=false"],
     "bpe": ["tokenizer=bpe", "vocab_size=2048"],
 }
+TOKENS["words-tied"] = [*TOKENS["words"][:-1], "tie_io=true"]  # the authors' tie (not by default)
 
 
 def adaspan(*args: str) -> str:
@@ -77,7 +78,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=Path("runs/tokenizer-race"))
-    parser.add_argument("--tokenizers", default="bytes,words,bpe")
+    parser.add_argument("--tokenizers", default="bytes,words,bpe",
+                        help=f"comma-separated, of {', '.join(TOKENS)}")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
     for name in args.tokenizers.split(","):
