@@ -16,6 +16,7 @@ from adaspan.checkpoint import RunDir, load_model
 from adaspan.cli import main
 from adaspan.data import load_corpus
 from adaspan.evaluate import evaluate
+from adaspan.metrics import read_metrics
 from adaspan.resolve import resolve_config
 from adaspan.tokenizer import BYTE_SYMBOLS, EOS, UNK, BPETokenizer, WordTokenizer
 from adaspan.tokens import run_codec, run_split, saved_tokenizer
@@ -191,6 +192,29 @@ def test_a_vocabulary_too_small_for_the_text_warns_with_the_figures(tmp_path, co
     assert main(["train", "--run-dir", str(tmp_path / "big"), *options(corpus, tmp_path, "words"),
                  "vocab_size=1571", "steps=1"]) == 0
     assert "warning:" not in capsys.readouterr().out
+
+
+def valid_curve(run: Path, argv: list[str]) -> list[float]:
+    """The validation bits per byte that training ``argv`` in ``run`` records, in order."""
+    assert main(["train", "--run-dir", str(run), *argv]) == 0
+    return [record["valid_bpc"] for record in read_metrics(RunDir(run).metrics_file)
+            if record.get("valid_bpc") is not None]
+
+
+def test_tied_adaptive_io_learns_at_the_recipes_learning_rate(tmp_path):
+    """words-small's recipe (AdamW 3e-3) on a small model: tied adaptive input and softmax keep
+    learning, close to untied (a vocabulary with <unk> stalls tied at full size: tokens.md)."""
+    path = tmp_path / "kjv.txt"
+    path.write_bytes(load_corpus("kjv", progress=False).train[:400_000].tobytes())
+    argv = ["--preset", "words-small", "--no-progress", f"data={path}", f"data_dir={tmp_path}",
+            "vocab_size=2048", "cutoffs=256,1024", "n_layers=2", "d_model=64", "d_inner=128",
+            "n_heads=2", "max_span=64", "batch_size=8", "block_size=32", "steps=450",
+            "eval_interval=150", "eval_chars=4096", "log_interval=150", "threads=1"]
+    tied = valid_curve(tmp_path / "tied", [*argv, "tie_io=true"])
+    untied = valid_curve(tmp_path / "untied", [*argv, "tie_io=false"])
+    assert len(tied) == 3
+    assert tied[0] - tied[1] > 0.03 and tied[1] - tied[2] > 0.03  # still learning at the end
+    assert tied[-1] < untied[-1] + 0.1
 
 
 @pytest.mark.parametrize(
