@@ -19,7 +19,7 @@ from adaspan.evaluate import evaluate
 from adaspan.metrics import read_metrics
 from adaspan.resolve import resolve_config
 from adaspan.tokenizer import BYTE_SYMBOLS, EOS, UNK, BPETokenizer, WordTokenizer
-from adaspan.tokens import run_codec, run_split, saved_tokenizer
+from adaspan.tokens import outside, run_codec, run_split, saved_tokenizer
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "ramp=8",
         "batch_size=2", "block_size=16", "eval_chars=128", "eval_interval=2", "log_interval=1",
@@ -158,6 +158,15 @@ def test_bits_per_byte_under_unk_is_flagged_as_a_lower_bound(corpus, tmp_path, c
     first_line = capsys.readouterr().out.splitlines()[0]
     assert f"a lower bound: {naive / result['bytes']:.1%} of the bytes are under <unk>" in \
         first_line
+    assert main(["report", str(run), "--limits", "64", "--no-memory"]) == 0
+    page = (run / "report" / "report.html").read_text()
+    assert "a lower bound:" in page and "of the bytes under &lt;unk&gt;" in page
+    assert main(["bench", "--preset", "demo", *TINY, f"data={corpus}", f"data_dir={tmp_path}",
+                 "tokenizer=words", f"tokenizer_file={old}", "vocab_size=100", "--steps", "1",
+                 "--gen-chars", "4", "--json"]) == 0
+    bench = last_json(capsys)
+    valid = outside(saved_tokenizer(run), split.tokens, split.ends)[0]
+    assert bench["unk_share"] == pytest.approx(valid) and valid > 0
 
 
 def test_a_byte_preset_with_words_gets_a_words_vocabulary():
