@@ -48,23 +48,19 @@ def evaluate(
     validation. The model runs on ``device`` (default: where it is) in eval mode, no grad.
     ``dtype``: a :class:`~adaspan.precision.Precision`, or auto (fp32, TF32 off), float32
     or bfloat16 as a scoring job chooses them. Nothing waits for the device but the upload of
-    each block. ``ends``: where
-    each token ends in the text (None: the tokens are bytes). ``unk``: the id of ``<unk>``
-    where the tokens have one (its bytes are scored as one token). Returns :func:`scores`
-    (``bpc``: bits per byte of the text the targets cover, comparable across tokenizers
-    unless ``bpc_lower_bound``; per token ``loss`` and ``perplexity``), ``precision``
-    (:meth:`Precision.record`), then how:
-    ``streams`` (``batch_size``), ``stream_chars`` (targets per stream), ``block_size``,
-    ``cache_carried`` and ``cache_positions`` (per layer, the positions carried to the next
-    block: 0 for a variant that carries none; :func:`short_context` adds how many targets had
-    less context than the longest span); with ``token_logprobs=True`` also ``token_logprobs``,
-    the log-probability of every target, stream after stream (float32).
-
-    With ``dist`` (every rank of a torchrun job calls it, each with its own ``device``), each
-    rank scores its :meth:`~Distributed.rows` of the ``batch_size`` streams and the sums are
-    all-reduced: every rank returns what one process scoring all of them would, up to the
-    order of float summation (``token_logprobs`` is refused: it would be one rank's share).
-    """
+    each block. ``ends``: where each token ends in the text (None: the tokens are bytes);
+    ``unk``: the id of ``<unk>`` where the tokens have one. Returns :func:`scores` (``bpc``:
+    bits per byte of the text the targets cover, comparable across tokenizers unless
+    ``bpc_lower_bound``; per token ``loss`` and ``perplexity``), ``precision``
+    (:meth:`Precision.record`), then how: ``streams`` (``batch_size``), ``stream_chars``
+    (targets per stream), ``block_size``, ``cache_carried`` and ``cache_positions`` (per
+    layer, the positions carried to the next block: 0 for a variant that carries none;
+    :func:`short_context` adds how many targets had less context than the longest span); with
+    ``token_logprobs=True`` also ``token_logprobs``, the log-probability of every target,
+    stream after stream (float32). With ``dist`` (every rank of a torchrun job calls it, each
+    with its own ``device``), each rank scores its :meth:`~Distributed.rows` of the streams,
+    the sums all-reduced: each returns what one process would, up to the order of float sums
+    (``token_logprobs`` is refused: it would be one rank's share)."""
     dist = dist if dist is not None else Distributed()
     _check(max_chars, batch_size, token_logprobs, dist)
     stream = BlockStream(tokens[: None if max_chars is None else max_chars + 1], batch_size,
