@@ -1,5 +1,5 @@
-"""Make the fixture of tests/training/test_official.py for persistent memory by running the authors' model
-code once (their code is read here, never by the tests).
+"""Make the fixture of tests/training/test_official.py for persistent memory by running the
+authors' model code once (their code is read here, never by the tests).
 
 Usage:
     python scripts/make_persistent_fixture.py /work/shared/anchors/adaptive-span \

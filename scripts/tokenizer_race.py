@@ -2,14 +2,16 @@
 byte-level BPE tokens, each scored in bits per byte on the same validation text.
 
 Usage:
-    python scripts/tokenizer_race.py [--seconds 300] [--out runs/tokenizer-race]
+    python scripts/tokenizer_race.py [--seconds 300] [--out runs/tokenizer-race] [--threads N]
 
 Runs ``adaspan train`` three times (one after the other, so they do not share the cores), each
 with ``time_budget`` seconds, then ``adaspan evaluate`` on the whole valid split of each run
 (fp32, 8 streams), and prints one JSON line per run: steps, tokens/s and bytes/s of training,
-bits per byte, perplexity per token, the heads' average and longest span in tokens and in
-bytes (at the valid split's average bytes per token), and for words the fraction of the valid
-tokens that are ``<unk>`` (a rare word scored as ``<unk>``: its bytes cost less than the word).
+bits per byte (``bpc_lower_bound``: whether bytes were under ``<unk>``, none for the tokenizers
+adaspan trains), perplexity per token, the heads' average and longest span in tokens and in
+bytes (at the valid split's average bytes per token), and the share of the valid split's bytes
+spelled byte by byte (words outside the vocabulary). ``--threads N`` sets torch's threads of
+every run (a shared machine: fewer threads than cores keep others' work from stalling them).
 """
 
 from __future__ import annotations
@@ -20,11 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from adaspan.data.tokenizer import UNK
 from adaspan.training.checkpoint import load_model
-from adaspan.training.tokens import run_codec, run_split
+from adaspan.training.tokens import outside, run_split, saved_tokenizer
 
 MODEL = ["n_layers=3", "d_model=192", "n_heads=4", "d_inner=768", "max_span=512", "ramp=32",
          "dropout=0.1", "span_loss_coef=2e-6"]
@@ -38,6 +37,7 @@ TOKENS = {
               "div_val=4", "tie_io=false"],
     "bpe": ["tokenizer=bpe", "vocab_size=2048"],
 }
+TOKENS["words-tied"] = [*TOKENS["words"][:-1], "tie_io=true"]  # the authors' tie (not by default)
 
 
 def adaspan(*args: str) -> str:
@@ -47,18 +47,17 @@ def adaspan(*args: str) -> str:
     return done.stdout
 
 
-def race(name: str, out: Path, seconds: float) -> dict:
+def race(name: str, out: Path, seconds: float, threads: int | None) -> dict:
     """Train and score one tokenizer's run: its row of the table."""
     run = out / name
     summary = json.loads(adaspan("train", "--run-dir", str(run), "--no-progress", *MODEL,
-                                 *TRAIN, *TOKENS[name],
+                                 *TRAIN, *TOKENS[name], f"threads={threads}",
                                  f"time_budget={seconds}").strip().splitlines()[-1])
     scored = json.loads(adaspan("evaluate", str(run), "--split", "valid", "--no-progress",
                                 "--json").strip().splitlines()[-1])
     split = run_split(run, "valid", progress=False)
     per_token = 1.0 if split.ends is None else float(split.ends[-1]) / len(split.tokens)
-    symbols = getattr(run_codec(run), "symbols", [])  # words: <unk> stands for rare words
-    unknown = float(np.mean(split.tokens == symbols.index(UNK))) if UNK in symbols else 0.0
+    spelled = outside(saved_tokenizer(run), split.tokens, split.ends)[1]
     model = load_model(run)
     spans = [s for layer in model.spans() for s in layer]
     average = sum(spans) / len(spans)
@@ -68,7 +67,8 @@ def race(name: str, out: Path, seconds: float) -> dict:
             "bits_per_byte": scored["bpc"], "perplexity": scored["perplexity"],
             "bits_per_token": scored["bits_per_token"], "valid_bytes": scored["bytes"],
             "valid_tokens": scored["chars"], "bytes_per_token": per_token,
-            "unk_fraction": unknown,
+            "bpc_lower_bound": scored["bpc_lower_bound"], "unk_share": scored["unk_share"],
+            "spelled_share": spelled,
             "avg_span_tokens": average, "avg_span_bytes": average * per_token,
             "max_span_tokens": max(spans), "max_span_bytes": max(spans) * per_token,
             "parameters": model.num_parameters(), "precision": summary["precision"]}
@@ -78,10 +78,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=Path("runs/tokenizer-race"))
-    parser.add_argument("--tokenizers", default="bytes,words,bpe")
+    parser.add_argument("--tokenizers", default="bytes,words,bpe",
+                        help=f"comma-separated, of {', '.join(TOKENS)}")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
     for name in args.tokenizers.split(","):
-        print(json.dumps(race(name, args.out, args.seconds)), flush=True)
+        print(json.dumps(race(name, args.out, args.seconds, args.threads)), flush=True)
 
 
 if __name__ == "__main__":

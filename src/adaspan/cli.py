@@ -300,14 +300,15 @@ def _evaluate(args: argparse.Namespace) -> int:
     from .training.evaluate import bpc_by_distance, evaluate, short_context
     from .training.tokens import run_split
 
-    tokens, name, unit, ends = run_split(args.run_dir, args.split, args.data, args.data_dir,
-                                         progress=not args.no_progress)
+    tokens, name, unit, ends, unk = run_split(args.run_dir, args.split, args.data,
+                                              args.data_dir, progress=not args.no_progress)
     block_size = args.block_size or RunDir(args.run_dir).load_config()[1].block_size
     model = load_model(args.run_dir, args.device)
     synthetic = is_synthetic(name)
     result = evaluate(model, tokens, batch_size=args.batch_size, block_size=block_size,
                       progress=not args.no_progress, max_chars=args.max_chars, dtype=args.dtype,
-                      token_logprobs=args.token_logprobs is not None or synthetic, ends=ends)
+                      token_logprobs=args.token_logprobs is not None or synthetic, ends=ends,
+                      unk=unk)
     if synthetic:
         result["by_distance"] = bpc_by_distance(result, source_distance(name, args.split))
     logprobs = result.pop("token_logprobs", None)
@@ -508,7 +509,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .measure.bench import MEMORY_FIELDS, bench
     from .measure.tables import bench_table
     from .resolve import resolve_config
-    from .training.tokens import per_byte
+    from .training.tokens import UNK_NOTE, per_byte
 
     model_config, train_config = resolve_config(args.preset, args.config, args.overrides)
     block_size = args.block_size or (train_config.block_size if args.preset or args.config
@@ -517,7 +518,7 @@ def _bench(args: argparse.Namespace) -> int:
                    args.gen_chars, args.device, args.dtype, args.statistic,
                    args.compile, train_config.optimizer)
     result.update(per_byte(train_config, model_config, result, progress=not args.json))
-    print(_json_line(result) if args.json else bench_table(result, MEMORY_FIELDS))
+    print(_json_line(result) if args.json else bench_table(result, {**MEMORY_FIELDS, **UNK_NOTE}))
     return 0
 
 

@@ -109,8 +109,8 @@ class ModelConfig(Options):
 
     section: ClassVar[str] = "model"
 
-    vocab_size: int = option(256, "size of the byte vocabulary (256: every corpus is read as "
-                             "bytes)")
+    vocab_size: int = option(256, "size of the vocabulary; where no source sets it with the "
+                             "tokenizer, the tokenizer's own (bytes 256, words 8192, bpe 4096)")
     d_model: int = option(512, "hidden size d (paper: 512 small, 768 large)")
     n_heads: int = option(8, "attention heads per layer M (paper: 8)")
     n_layers: int = option(12, "number of layers (paper: 12 small, 24 large)")
@@ -240,8 +240,9 @@ class TrainConfig(Options):
     data_dir: str | None = option(None, "where enwik8/text8 and tokenised corpora are cached "
                                   "(default: $ADASPAN_DATA or ~/.cache/adaspan)")
     tokenizer: str = option("bytes", "what one token is: a byte (256 symbols) | a word (the "
-                            "vocab_size - 1 most frequent words of the train split, <eos> at "
-                            "each line end, others <unk>) | a byte-level BPE subword trained on "
+                            "vocab_size - 257 most frequent words of the train split, <eos> at "
+                            "each line end, other words spelled with the 256 byte tokens) | a "
+                            "byte-level BPE subword trained on "
                             "the train split to vocab_size tokens (or read from "
                             "tokenizer_file)", choices=TOKENIZERS.keys(), fixed_on_resume=True)
     tokenizer_file: str | None = option(None, "a tokenizer.json to use instead of training "

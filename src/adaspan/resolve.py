@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import fields
 from pathlib import Path
 
@@ -21,6 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .config import SECTIONS, ConfigError, ModelConfig, Options, TrainConfig
+from .data.tokenizer import TOKENIZERS
 from .presets import PRESETS
 
 
@@ -32,26 +34,53 @@ def resolve_config(
     base: tuple[ModelConfig, TrainConfig] | None = None,
 ) -> tuple[ModelConfig, TrainConfig]:
     """Model and train configurations: ``base`` (default: the dataclass defaults) < ``preset``
-    < ``config_file`` < ``overrides``. Pass a saved run's configs as ``base`` to resume it."""
+    < ``config_file`` < ``overrides``. Pass a saved run's configs as ``base`` to resume it.
+
+    A ``vocab_size`` set by an earlier source than the ``tokenizer`` (or by none) is not that
+    tokenizer's: it becomes the tokenizer's own ``default_size`` (``--preset demo
+    tokenizer=words`` gets a words vocabulary, not the 256 bytes)."""
     values: dict[str, dict] = {"model": {}, "train": {}}
+    sources: list[dict[str, dict]] = []  # what each source sets, in order
     if base is not None:
-        values = {"model": base[0].to_dict(), "train": base[1].to_dict()}
+        sources.append({"model": base[0].to_dict(), "train": base[1].to_dict()})
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}{_suggest(preset, PRESETS)}; "
                              f"available: {', '.join(PRESETS)}")
-        for section in SECTIONS:
-            values[section].update(PRESETS[preset][section])
+        sources.append({section: dict(PRESETS[preset][section]) for section in SECTIONS})
     if config_file is not None:
         try:
-            for section, key, value in _read_toml(Path(config_file)):
-                values[section][key] = _coerce(section, key, value)
+            sources.append(_sections((section, key, _coerce(section, key, value))
+                                     for section, key, value in _read_toml(Path(config_file))))
         except ConfigError as exc:
             raise ConfigError(f"config file {config_file}: {exc}") from None
-    for item in overrides:
-        section, key, text = _parse_override(item)
-        values[section][key] = _coerce(section, key, text, item.partition("=")[0].strip())
+    sources.append(_sections(
+        (section, key, _coerce(section, key, text, item.partition("=")[0].strip()))
+        for item in overrides for section, key, text in [_parse_override(item)]))
+    for source in sources:
+        for section in SECTIONS:
+            values[section].update(source[section])
+    _vocabulary_of_the_tokenizer(values, sources)
     return ModelConfig(**values["model"]), TrainConfig(**values["train"])
+
+
+def _sections(options: Iterable[tuple[str, str, object]]) -> dict[str, dict]:
+    """``(section, key, value)`` triples as ``{section: {key: value}}``."""
+    out: dict[str, dict] = {section: {} for section in SECTIONS}
+    for section, key, value in options:
+        out[section][key] = value
+    return out
+
+
+def _vocabulary_of_the_tokenizer(values: dict[str, dict], sources: list[dict[str, dict]]) -> None:
+    """The tokenizer's ``default_size`` as ``vocab_size`` where the last source that sets the
+    tokenizer comes after the last that sets the vocabulary (or none sets it)."""
+    def last(section: str, key: str) -> int:
+        return max((i for i, source in enumerate(sources) if key in source[section]), default=-1)
+
+    name = values["train"].get("tokenizer")
+    if name in TOKENIZERS and last("model", "vocab_size") < last("train", "tokenizer"):
+        values["model"]["vocab_size"] = TOKENIZERS[name].default_size
 
 
 def _read_toml(path: Path) -> list[tuple[str, str, object]]:

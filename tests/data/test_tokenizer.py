@@ -109,38 +109,77 @@ def test_bpe_uses_the_fast_batch_and_real_merges(bpe):
     assert [bpe.token_text(int(i)) for i in ids][:2] == ["␣the", "␣LORD"]
 
 
-def test_words_decode_is_normalize(words, text):
+def random_texts(count: int, seed: int = 0) -> list[bytes]:
+    """Texts of known and unseen words, odd whitespace, and bytes that are not UTF-8."""
+    rng = np.random.default_rng(seed)
+    parts = [b"the", b"LORD", b"said", b"zyzzyva", b"\xff", b"\xc3", "\u00e9".encode(), b"<eos>",
+             b"<unk>", b"<0x41>", b" ", b"  ", b"\t", b"\n", b"\r\n", "\u00a0".encode(),
+             "\u3000".encode(), b"\x0b", b"\x1c", b"\x85"]
+    return [b"".join(parts[i] for i in rng.integers(0, len(parts), rng.integers(0, 25)))
+            for _ in range(count)]
+
+
+def test_words_round_trip_any_text_exactly(words, text):
     data = text.tobytes()
-    assert words.decode(words.encode(data).ids) == words.normalize(data)
-    for data in ODD:
-        encoded = words.encode(data)
-        assert words.decode(encoded.ids) == words.normalize(data)
-        assert b"".join(words.pieces(encoded.ids)) == words.normalize(data)
-        if data:
-            assert_ends(encoded, data)
+    for sample in [data, *ODD, *random_texts(2000)]:
+        encoded = words.encode(sample)
+        assert words.decode(encoded.ids) == sample == words.normalize(sample)
+        assert [len(piece) for piece in words.pieces(encoded.ids)] == \
+            byte_lengths(encoded.ends).tolist()
+        if sample:
+            assert_ends(encoded, sample)
+            assert (byte_lengths(encoded.ends) > 0).all()  # every token holds bytes
 
 
-def test_words_normalize_states_the_convention(words):
+def test_words_spell_what_the_vocabulary_lacks(words):
     data = b"  And   the\tLORD  \n\nzyzzyva said <eos> unto \nhim"
-    assert words.normalize(data) == b"And the LORD\n\n<unk> said\nunto\nhim\n"
     encoded = words.encode(data)
     assert [words.token_text(int(i)) for i in encoded.ids] == [
+        "␣", "␣", "And", "␣", "␣", "␣", "the", "\\t", "LORD", "␣", "␣", EOS, EOS,
+        "z", "y", "z", "z", "y", "v", "a", "␣", "said", "␣", "<", "e", "o", "s", ">", "␣",
+        "unto", "␣", EOS, "him"]
+    # a word holds the single space before it after a word; <eos> its newline
+    assert encoded.ends.tolist() == [1, 2, 5, 6, 7, 8, 11, 12, 16, 17, 18, 19, 20, 21, 22, 23,
+                                     24, 25, 26, 27, 28, 32, 33, 34, 35, 36, 37, 38, 39, 43, 44,
+                                     45, 48]
+    assert words.unk_id is None and len(words.fallback_ids) == 256
+
+
+def legacy_words(symbols: list[str], tmp_path) -> WordTokenizer:
+    """A words tokenizer as adaspan 0.8 saved it (every unknown word <unk>)."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"adaspan_tokenizer": "words", "version": 1, "min_count": 3,
+                                "max_size": None, "symbols": symbols}))
+    return load(path)
+
+
+def test_old_words_files_behave_as_before(tmp_path):
+    old = legacy_words(["the", "And", "LORD", EOS, "said", "unto", "him", UNK], tmp_path)
+    data = b"  And   the\tLORD  \n\nzyzzyva said <eos> unto \nhim"
+    assert old.normalize(data) == b"And the LORD\n\n<unk> said\nunto\nhim\n"
+    encoded = old.encode(data)
+    assert [old.token_text(int(i)) for i in encoded.ids] == [
         "And", "the", "LORD", EOS, EOS, UNK, "said", EOS, "unto", EOS, "him", EOS]
     # a word holds the whitespace before it; <eos> the rest of its line and the newline
     assert encoded.ends.tolist() == [5, 11, 16, 19, 20, 27, 32, 38, 43, 45, 48, 48]
+    assert old.unk_id == 7 and not len(old.fallback_ids)
+    for sample in ODD:
+        assert old.decode(old.encode(sample).ids) == old.normalize(sample)
 
 
-def test_words_vocabulary_is_by_count_then_first_appearance(text, words):
-    counts = Counter(text.tobytes().decode().split())
-    counts[EOS] = text.tobytes().count(b"\n") + (text[-1] != 10)
-    known = [symbol for symbol in words.symbols if symbol != UNK]
-    assert [counts[s] for s in known] == sorted((counts[s] for s in known), reverse=True)
-    assert set(known) == {word for word, count in counts.items() if count >= 3}
+def test_words_vocabulary_is_by_use_then_first_appearance(text, words):
+    data = text.tobytes()
+    counts = Counter(data.decode().split())
+    kept = [symbol for symbol in words.symbols if symbol not in tk.BYTE_SYMBOLS and symbol != EOS]
+    assert set(kept) == {word for word, count in counts.items() if count >= 3}
+    uses = np.bincount(words.encode(data).ids, minlength=words.vocab_size)
+    assert (np.diff(uses) <= 0).all()  # ids by use in the training text
     small = build("words", b"y z y x z y\nx w\n", min_count=1)
-    assert small.symbols == ["y", "z", "x", EOS, "w", UNK]
-    capped = build("words", b"y z y x z y\nx w\n", min_count=1, vocab_size=4)
-    assert capped.symbols == ["y", UNK, "z", EOS]  # x and w: 3 unknown words, as many as y
-    assert capped.decode(capped.encode(b"w y x\n").ids) == b"<unk> y <unk>\n"
+    assert small.symbols[:5] == ["y", EOS, "z", "x", "w"] and small.vocab_size == 261
+    capped = build("words", b"y z y x z y\nx w\n", min_count=1, vocab_size=259)
+    # x and w spelled: the space before a spelled word and after it is a byte token too
+    assert capped.symbols[:6] == ["<0x20>", "y", EOS, "<0x78>", "z", "<0x77>"]
+    assert capped.decode(capped.encode(b"w y x\n").ids) == b"w y x\n"
 
 
 def test_chunks_do_not_change_the_tokens(words, bpe, text, monkeypatch):
@@ -210,8 +249,9 @@ def test_a_tokenizer_that_loses_text_warns_but_counts_every_byte(text, tmp_path)
     (lambda: build("words", b"x" * 10_000), "no whitespace .*use bytes or bpe"),
     (lambda: build("words", b"a\nb\nc\n", min_count=1), "no whitespace"),
     (lambda: build("words", b""), "empty"),
-    (lambda: build("words", b"a b a b c\n", min_count=2, vocab_size=5),
-     r"only 4 distinct words .*min_count=2\); ask for at most 4"),
+    (lambda: build("words", b"a b a b c\n", min_count=2, vocab_size=300),
+     r"only 2 distinct words \(min_count=2\); ask for at most 259"),
+    (lambda: build("words", b"a b a b c\n", vocab_size=256), ">= 257"),
     (lambda: build("bpe", b"abc abd\n", vocab_size=1000), "yields only 2.. BPE tokens"),
     (lambda: build("bpe", b"abc abd\n", vocab_size=100), ">= 256"),
     (lambda: ByteTokenizer().encode(np.zeros(3, np.int64)), "1-D uint8"),

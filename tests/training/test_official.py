@@ -411,15 +411,17 @@ def test_token_logprobs_of_an_ordinary_run(batch_size, byte_run, tmp_path):
 def test_run_split_reads_the_format_of_the_run(adaptive_run, byte_run, data_dir, texts, vocab,
                                                tmp_path):
     converted, _ = adaptive_run
-    tokens, name, unit, ends = run_split(converted, "test")
+    tokens, name, unit, ends, unk = run_split(converted, "test")
     assert tokens.tolist() == [vocab.index(s) for s in symbols_of(texts["test"])]
     assert (name, unit, ends) == (f"{data_dir.resolve()} (authors' format)", "symbol", None)
+    assert unk == (vocab.index("<unk>") if "<unk>" in vocab else None)
     other = write_data(tmp_path / "other", texts["train"], texts["valid"], b"ab")
     assert run_split(converted, "test", data=other).tokens.tolist() == [
         vocab.index(s) for s in symbols_of(b"ab")]
     run, _, valid = byte_run
-    tokens, name, unit, ends = run_split(run, "valid", progress=False)
-    assert np.array_equal(tokens, valid) and (name, unit, ends) == ("text.txt", "character", None)
+    tokens, name, unit, ends, unk = run_split(run, "valid", progress=False)
+    assert np.array_equal(tokens, valid) and (name, unit, ends, unk) == ("text.txt", "character",
+                                                                         None, None)
 
 
 def test_run_codec_maps_bytes_to_the_tokens_of_the_run_and_back(adaptive_run, byte_run, vocab):

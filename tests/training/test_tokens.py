@@ -14,9 +14,12 @@ import torch
 
 from adaspan.cli import main
 from adaspan.data.corpora import load_corpus
+from adaspan.data.tokenizer import BYTE_SYMBOLS, EOS, UNK, BPETokenizer, WordTokenizer
+from adaspan.resolve import resolve_config
 from adaspan.training.checkpoint import RunDir, load_model
 from adaspan.training.evaluate import evaluate
-from adaspan.training.tokens import run_codec, run_split, saved_tokenizer
+from adaspan.training.metrics import read_metrics
+from adaspan.training.tokens import outside, run_codec, run_split, saved_tokenizer
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "ramp=8",
         "batch_size=2", "block_size=16", "eval_chars=128", "eval_interval=2", "log_interval=1",
@@ -87,13 +90,13 @@ def test_evaluate_gives_bits_per_byte_of_the_text_and_perplexity(trained, corpus
     text = load_corpus(str(corpus), progress=False).valid.tobytes()
     codec = run_codec(run)
     first = len(b"".join(codec.pieces(tokens[:1])))  # the one token that is no target
-    if tokenizer == "words":  # whitespace goes to a neighbour: all but the first word's bytes
-        first = len(text) - len(text.lstrip()) + len(text.split()[0])
     covered = len(text) - first
+    assert codec.decode(tokens) == text  # every tokenizer a run trains keeps the text
     assert result["bytes"] == covered and result["chars"] == len(tokens) - 1
     assert result["bpc"] == pytest.approx(nats / covered / math.log(2), rel=1e-6)
     assert result["perplexity"] == pytest.approx(math.exp(nats / result["chars"]), rel=1e-6)
     assert result["unit"] == {"bytes": "character", "words": "word", "bpe": "token"}[tokenizer]
+    assert result["unk_bytes"] == 0 and result["bpc_lower_bound"] is False
     assert main(["evaluate", str(run), "--max-chars", "64", "--no-progress"]) == 0
     first_line = capsys.readouterr().out.splitlines()[0]
     assert ("bpc over" in first_line) == (tokenizer == "bytes")
@@ -101,15 +104,14 @@ def test_evaluate_gives_bits_per_byte_of_the_text_and_perplexity(trained, corpus
 
 
 def test_generation_streams_whole_tokens_of_the_run(trained, capsys):
-    tokenizer, run = trained
+    _, run = trained
     assert main(["generate", str(run), "--prompt", "And God said", "--length", "12", "--json",
                  "--seed", "3"]) == 0
     result = last_json(capsys)
     codec = run_codec(run)
     ids = codec.encode(result["text"].encode()).ids
     assert result["tokens"] == 12 and result["text"]
-    if tokenizer == "bpe":  # byte-level: the text is the sampled tokens' bytes, re-encodable
-        assert codec.decode(ids) == result["text"].encode()
+    assert codec.decode(ids) == result["text"].encode()  # lossless: re-encodable
     model = load_model(run)
     prompt = codec.encode(b"And God said").ids.tolist()
     generator = torch.Generator().manual_seed(3)
@@ -129,6 +131,99 @@ def test_evaluate_scores_the_same_bytes_whatever_the_tokenizer(trained, corpus):
     text = load_corpus(str(corpus), progress=False).valid
     ends = split.ends if split.ends is not None else np.arange(1, len(text) + 1)
     assert int(ends[-1]) == len(text) and result["bytes"] == len(text) - int(ends[0])
+
+
+def test_bits_per_byte_under_unk_is_flagged_as_a_lower_bound(corpus, tmp_path, capsys):
+    """A run on a words vocabulary with <unk> (adaspan 0.8's format): evaluate says which share
+    of the bytes is under <unk> and that the bpc is a lower bound, in the JSON and in words."""
+    counts: dict[str, int] = {}
+    for word in corpus.read_bytes().decode().split():
+        counts[word] = counts.get(word, 0) + 1
+    symbols = [EOS, UNK, *sorted(counts, key=counts.__getitem__, reverse=True)[:98]]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"adaspan_tokenizer": "words", "version": 1, "min_count": 1,
+                               "max_size": 100, "symbols": symbols}))
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *options(corpus, tmp_path, "words"),
+                 f"tokenizer_file={old}", "vocab_size=100", "steps=2"]) == 0
+    assert main(["evaluate", str(run), "--no-progress", "--json"]) == 0
+    result = last_json(capsys)
+    split = run_split(run, "valid", progress=False)
+    targets = result["streams"] * result["stream_chars"]
+    naive = sum(int(split.ends[j] - split.ends[j - 1]) for j in range(1, targets + 1)
+                if split.tokens[j] == symbols.index(UNK))
+    assert result["unk_bytes"] == naive > 0 and result["bpc_lower_bound"] is True
+    assert result["unk_share"] == pytest.approx(naive / result["bytes"])
+    assert main(["evaluate", str(run), "--no-progress"]) == 0
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert f"a lower bound: {naive / result['bytes']:.1%} of the bytes are under <unk>" in \
+        first_line
+    assert main(["report", str(run), "--limits", "64", "--no-memory"]) == 0
+    page = (run / "report" / "report.html").read_text()
+    assert "a lower bound:" in page and "of the bytes under &lt;unk&gt;" in page
+    assert main(["bench", "--preset", "demo", *TINY, f"data={corpus}", f"data_dir={tmp_path}",
+                 "tokenizer=words", f"tokenizer_file={old}", "vocab_size=100", "--steps", "1",
+                 "--gen-chars", "4", "--json"]) == 0
+    bench = last_json(capsys)
+    valid = outside(saved_tokenizer(run), split.tokens, split.ends)[0]
+    assert bench["unk_share"] == pytest.approx(valid) and valid > 0
+
+
+def test_a_byte_preset_with_words_gets_a_words_vocabulary():
+    assert resolve_config("demo", overrides=["tokenizer=words"])[0].vocab_size == \
+        WordTokenizer.default_size == 8192
+    assert resolve_config("demo", overrides=["tokenizer=bpe"])[0].vocab_size == \
+        BPETokenizer.default_size == 4096
+    for order in (["vocab_size=4096", "tokenizer=words"], ["tokenizer=words", "vocab_size=4096"]):
+        assert resolve_config("demo", overrides=order)[0].vocab_size == 4096  # set together
+    assert resolve_config("words-small")[0].vocab_size == 8192  # the preset sets both
+    # a vocabulary set for another tokenizer is not reused: the tokenizer's own
+    assert resolve_config("words-small", overrides=["tokenizer=bpe", "cutoffs=1024,2048"]
+                          )[0].vocab_size == 4096
+    assert resolve_config(overrides=["tokenizer=bytes"])[0].vocab_size == 256
+
+
+def test_a_vocabulary_too_small_for_the_text_warns_with_the_figures(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *options(corpus, tmp_path, "words"),
+                 "steps=1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    tokenizer = saved_tokenizer(run)
+    ids = tokenizer.encode(load_corpus(str(corpus), progress=False).train).ids
+    spelled = sum(len(piece) for id, piece in zip(ids, tokenizer.pieces(ids), strict=True)
+                  if tokenizer.symbols[id] in BYTE_SYMBOLS)
+    share = spelled / sum(len(piece) for piece in tokenizer.pieces(ids))
+    assert share > 0.5
+    (line,) = [line for line in out if line.startswith("warning:")]
+    assert line == (f"warning: {share:.0%} of the train split's bytes are outside the "
+                    f"300-token words vocabulary ({share:.0%} spelled byte by byte, 0% under "
+                    "<unk>): a larger vocab_size fits this text better")
+    assert main(["train", "--run-dir", str(tmp_path / "big"), *options(corpus, tmp_path, "words"),
+                 "vocab_size=1571", "steps=1"]) == 0
+    assert "warning:" not in capsys.readouterr().out
+
+
+def valid_curve(run: Path, argv: list[str]) -> list[float]:
+    """The validation bits per byte that training ``argv`` in ``run`` records, in order."""
+    assert main(["train", "--run-dir", str(run), *argv]) == 0
+    return [record["valid_bpc"] for record in read_metrics(RunDir(run).metrics_file)
+            if record.get("valid_bpc") is not None]
+
+
+def test_tied_adaptive_io_learns_at_the_recipes_learning_rate(tmp_path):
+    """words-small's recipe (AdamW 3e-3) on a small model: tied adaptive input and softmax keep
+    learning, close to untied (a vocabulary with <unk> stalls tied at full size: tokens.md)."""
+    path = tmp_path / "kjv.txt"
+    path.write_bytes(load_corpus("kjv", progress=False).train[:400_000].tobytes())
+    argv = ["--preset", "words-small", "--no-progress", f"data={path}", f"data_dir={tmp_path}",
+            "vocab_size=2048", "cutoffs=256,1024", "n_layers=2", "d_model=64", "d_inner=128",
+            "n_heads=2", "max_span=64", "batch_size=8", "block_size=32", "steps=450",
+            "eval_interval=150", "eval_chars=4096", "log_interval=150", "threads=1"]
+    tied = valid_curve(tmp_path / "tied", [*argv, "tie_io=true"])
+    untied = valid_curve(tmp_path / "untied", [*argv, "tie_io=false"])
+    assert len(tied) == 3
+    assert tied[0] - tied[1] > 0.03 and tied[1] - tied[2] > 0.03  # still learning at the end
+    assert tied[-1] < untied[-1] + 0.1
 
 
 @pytest.mark.parametrize(

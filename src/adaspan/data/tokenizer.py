@@ -3,15 +3,16 @@
 :data:`TOKENIZERS` maps each name to its class (filled by :func:`register`); :func:`build` makes
 one from a training text, :func:`load` reads one back from the ``tokenizer.json`` that
 :meth:`Tokenizer.save` writes: ``{"adaspan_tokenizer": NAME, "version": 1, ...}`` (words: its
-``symbols`` by id; bpe: Hugging Face's own serialisation under ``"hf"``); :func:`load` also reads
-a plain Hugging Face ``tokenizer.json``.
+``symbols`` by id, version 2 with ``"byte_fallback": true``, version 1 the vocabularies with
+``<unk>`` of adaspan 0.8 and earlier; bpe: Hugging Face's own serialisation under ``"hf"``);
+:func:`load` also reads a plain Hugging Face ``tokenizer.json``.
 
 :meth:`Tokenizer.encode` gives the ids of a text and, per token, the byte offset where it ends
 in the text (:class:`Encoded`): every byte belongs to exactly one token, so scores per byte of
 the original text stay exact whatever the tokenizer. :func:`tokenize_splits` caches the ids of
 a corpus under ``<cache_root>/tokens/<key>/{ids,ends}.npy``; :func:`build` caches trained
 tokenizers under ``<cache_root>/tokenizers/<key>.json``. Texts are UTF-8; bytes that are not
-valid UTF-8 are kept exactly (bytes, bpe) or as parts of words (words).
+valid UTF-8 are kept exactly (words without byte fallback: as parts of words).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from ..errors import UserError, one_line
 from .files import atomic_write
 
 EOS, UNK = "<eos>", "<unk>"  # end of line and unknown word (the authors' words convention)
+BYTE_SYMBOLS = [f"<0x{b:02X}>" for b in range(256)]  # words' byte fallback, as SentencePiece
 DEFAULT_MIN_COUNT = 3
 DEFAULT_BPE_SIZE = 4096
+DEFAULT_WORDS_SIZE = 8192
 CHUNK = 1 << 20  # bytes of text encoded at a time, cut at a line end
 SAMPLE = 1 << 16  # bytes of text a user's tokenizer file must reproduce, else a warning
-_FORMAT = 1  # part of every cache key: bump when encoding changes
+_FORMAT = 2  # part of every cache key: bump when encoding changes
 _SURROGATES = re.compile("([\udc80-\udcff]+)")  # invalid UTF-8 bytes, as surrogateescape
 _SPACES = np.array([chr(c).isspace() for c in range(0x3002)])  # str.isspace; none above 0x3000
 _VISIBLE = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
@@ -78,10 +81,22 @@ class Tokenizer(ABC):
     name: ClassVar[str]
     unit: ClassVar[str]  # what one token is, for labels: "character" (a byte), "word" or "token"
     learned: ClassVar[bool] = True  # its vocabulary comes from a text (and its ids are cached)
+    default_size: ClassVar[int]  # the vocabulary a run gets when it sets none for this tokenizer
 
     @property
     @abstractmethod
     def vocab_size(self) -> int: ...
+
+    @property
+    def unk_id(self) -> int | None:
+        """The id of ``<unk>``, where text outside the vocabulary becomes it (its bytes are
+        then not scored one by one); None: the tokenizer keeps every byte."""
+        return None
+
+    @property
+    def fallback_ids(self) -> np.ndarray:
+        """Ids that spell text outside the vocabulary one byte a token (none: empty)."""
+        return np.zeros(0, np.int32)
 
     def fits(self, model_vocab: int) -> bool:
         """Whether a model of ``model_vocab`` tokens is this tokenizer's: exactly its size."""
@@ -156,7 +171,7 @@ class Tokenizer(ABC):
 class ByteTokenizer(Tokenizer):
     """One token per byte (256 symbols): the text itself, no copy."""
 
-    name, unit, learned = "bytes", "character", False
+    name, unit, learned, default_size = "bytes", "character", False, 256
 
     @property
     def vocab_size(self) -> int:
@@ -200,57 +215,102 @@ class ByteTokenizer(Tokenizer):
 
 
 class _Index(dict):
-    """Word -> id; any other word -> the id of <unk>."""
+    """Word -> id; any other word -> ``missing`` (the id of <unk>, or -1: spelled in bytes)."""
+
+    def __init__(self, pairs: Iterable[tuple[str, int]], missing: int) -> None:
+        super().__init__(pairs)
+        self.missing = missing
 
     def __missing__(self, key: str) -> int:
-        return self[UNK]
+        return self.missing
 
 
 @register
 class WordTokenizer(Tokenizer):
-    """Transformer-XL's words (WikiText-103): each line (ended by ``\\n``, or by the end of the
-    text) is its whitespace-separated words (``str.split``) then ``<eos>``. Ids go by count in
-    the training text (most frequent first, ties by first appearance); a word seen fewer than
-    ``min_count`` times, or beyond ``max_size`` symbols, is ``<unk>``. Bytes that are not
-    UTF-8 stay in their word (decoded with ``surrogateescape``). A word's bytes in ``ends``
-    include the whitespace before it; ``<eos>`` holds the line's trailing whitespace and
-    ``\\n``."""
+    """Transformer-XL's words (WikiText-103), made lossless: each line (ended by ``\\n``) is
+    its whitespace-separated words (``str.split``) then ``<eos>``; a word outside the
+    vocabulary is spelled with byte tokens (byte fallback, one token per byte of its UTF-8),
+    and so is any whitespace other than one space between two words of the vocabulary. So
+    ``decode(encode(text)) == text`` for any bytes (a last line without ``\\n`` has no
+    ``<eos>``; bytes that are not UTF-8 are spelled). A word token follows a word token with
+    one space. Ids go by how often the training text uses each symbol, bytes included (most
+    frequent first, ties by first appearance). A word token's bytes in ``ends`` include the
+    space before it.
 
-    name, unit = "words", "word"
+    Without byte fallback (a vocabulary with ``<unk>``: the authors' word-level checkpoints,
+    the tokenizer files of adaspan 0.8 and earlier), every word outside it is ``<unk>``, each
+    line's whitespace becomes single spaces and a last line gets its ``<eos>``
+    (:meth:`normalize`): the text does not come back."""
+
+    name, unit, default_size = "words", "word", DEFAULT_WORDS_SIZE
 
     def __init__(self, symbols: Sequence[str], min_count: int = DEFAULT_MIN_COUNT,
-                 max_size: int | None = None) -> None:
-        if len(set(symbols)) != len(symbols) or EOS not in symbols or UNK not in symbols:
-            raise TokenizerError(f"a words vocabulary needs distinct symbols, {EOS} and {UNK}")
+                 max_size: int | None = None, byte_fallback: bool = False) -> None:
+        needed = {EOS, *BYTE_SYMBOLS} if byte_fallback else {EOS, UNK}
+        if len(set(symbols)) != len(symbols) or not needed <= set(symbols):
+            wanted = f"{EOS} and the 256 bytes" if byte_fallback else f"{EOS} and {UNK}"
+            raise TokenizerError(f"a words vocabulary needs distinct symbols, {wanted}")
         self.symbols, self.min_count, self.max_size = list(symbols), min_count, max_size
-        self._index = _Index((symbol, id) for id, symbol in enumerate(self.symbols))
-        self._eos = self._index[EOS]
+        self.byte_fallback = byte_fallback
+        special = {EOS, UNK, *BYTE_SYMBOLS} if byte_fallback else set()
+        self._index = _Index(((symbol, id) for id, symbol in enumerate(self.symbols)
+                              if symbol not in special), -1 if byte_fallback else 0)
+        self._eos = self.symbols.index(EOS)
         self._bytes = [symbol.encode("utf-8", "surrogateescape") for symbol in self.symbols]
+        self._byte_ids = np.zeros(256, np.int32)
+        self._kinds = np.zeros(len(self.symbols), np.int8)  # 0 word, 1 byte, 2 <eos>
+        self._kinds[self._eos] = 2
+        if byte_fallback:
+            for byte, symbol in enumerate(BYTE_SYMBOLS):
+                self._byte_ids[byte] = id = self.symbols.index(symbol)
+                self._bytes[id], self._kinds[id] = _SINGLE[byte], 1
+        else:
+            self._index.missing = self.symbols.index(UNK)
 
     @property
     def vocab_size(self) -> int:
         return len(self.symbols)
 
+    @property
+    def unk_id(self) -> int | None:
+        return None if self.byte_fallback else self._index.missing
+
+    @property
+    def fallback_ids(self) -> np.ndarray:
+        return self._byte_ids if self.byte_fallback else np.zeros(0, np.int32)
+
     @classmethod
     def train(cls, text: bytes | np.ndarray, *, vocab_size: int | None = None,
               min_count: int = DEFAULT_MIN_COUNT, progress: bool = False) -> WordTokenizer:
-        """The vocabulary of ``text``, at most ``vocab_size`` symbols (<eos>, <unk> included)."""
-        counts = _count_words(_as_array(text), progress)
-        return cls(_vocabulary(counts, min_count, vocab_size), min_count, vocab_size)
+        """The vocabulary of ``text``: ``<eos>``, the 256 bytes and the most frequent words
+        seen at least ``min_count`` times, ``vocab_size`` symbols in all (None: every such
+        word), ordered by how often ``text`` uses them."""
+        array = _as_array(text)
+        words = _top_words(_count_words(array, progress), min_count, vocab_size)
+        first = cls([EOS, *BYTE_SYMBOLS, *words], min_count, vocab_size, byte_fallback=True)
+        uses = np.zeros(first.vocab_size, np.int64)
+        for ids, _ in first._stream(array, "counting tokens", progress):
+            uses += np.bincount(ids, minlength=first.vocab_size)
+        order = np.argsort(-uses, kind="stable")
+        return cls([first.symbols[id] for id in order], min_count, vocab_size, True)
 
     @classmethod
     def from_json(cls, spec: dict[str, Any]) -> WordTokenizer:
-        return cls(spec["symbols"], spec["min_count"], spec["max_size"])
+        return cls(spec["symbols"], spec["min_count"], spec["max_size"],
+                   spec.get("byte_fallback", False))
 
     def to_json(self) -> dict[str, Any]:
-        return {"adaspan_tokenizer": self.name, "version": 1, "min_count": self.min_count,
-                "max_size": self.max_size, "symbols": self.symbols}
+        return {"adaspan_tokenizer": self.name, "version": 2 if self.byte_fallback else 1,
+                "min_count": self.min_count, "max_size": self.max_size, "symbols": self.symbols,
+                **({"byte_fallback": True} if self.byte_fallback else {})}
 
     def normalize(self, text: bytes | np.ndarray) -> bytes:
-        """``decode(encode(text))``: each line's words, unknown ones as ``<unk>``, joined by
-        one space and ended by ``\\n`` (also the last line if it had none); a word ``<eos>``
-        ends a line too. So whitespace runs inside a line become one space and spaces at
-        either end of a line go."""
+        """``decode(encode(text))``: the text itself with byte fallback; without, each line's
+        words, unknown ones as ``<unk>``, joined by one space and ended by ``\\n`` (also the
+        last line if it had none); a word ``<eos>`` ends a line too. So whitespace runs inside
+        a line become one space and spaces at either end of a line go."""
+        if self.byte_fallback:
+            return super().normalize(text)
         lines = bytes(_as_array(text)).decode("utf-8", "surrogateescape").split("\n")
         out = []
         for line in lines[:-1] if lines[-1] == "" else lines:
@@ -265,28 +325,54 @@ class WordTokenizer(Tokenizer):
 
     def _encode_chunk(self, chunk: bytes) -> tuple[np.ndarray, np.ndarray]:
         text = chunk.decode("utf-8", "surrogateescape")
-        words = text.split()
         codes = _codepoints(text)
         space = _SPACES[np.minimum(codes, len(_SPACES) - 1)]
         newline = codes == 10
-        at = np.flatnonzero((~space & np.append(space[1:], True)) | newline)  # tokens' last
-        ids = np.full(len(at), self._eos, dtype=np.int32)
-        ids[~newline[at]] = np.fromiter(map(self._index.__getitem__, words), np.int32,
-                                        len(words))
-        ends = _byte_offsets(codes)[at + 1]
+        last = np.flatnonzero(~space & np.append(space[1:], True))  # each word's last character
+        words = text.split()
+        ids = np.fromiter(map(self._index.__getitem__, words), np.int32, len(words))
+        offsets = _byte_offsets(codes)
+        if not self.byte_fallback:
+            return self._unk_tokens(chunk, ids, offsets, newline, last)
+        first = np.flatnonzero(~space & np.insert(space[:-1], 0, True))
+        known = ids >= 0
+        joined = np.zeros(len(words), bool)  # one space after a known word: the token's own
+        joined[1:] = (known[1:] & known[:-1] & (first[1:] - last[:-1] == 2)
+                      & (codes[np.maximum(first[1:] - 1, 0)] == 32))
+        spelled = space & ~newline
+        spelled[first[joined] - 1] = False
+        word_of = np.cumsum(np.insert(space[:-1], 0, True) & ~space) - 1  # per character
+        if len(words):
+            spelled |= ~space & ~known[word_of]
+        at = np.flatnonzero(np.repeat(spelled, np.diff(offsets)))  # bytes spelled one a token
+        data = np.frombuffer(chunk, np.uint8)
+        all_ids = np.concatenate([self._byte_ids[data[at]], ids[known],
+                                  np.full(int(newline.sum()), self._eos, np.int32)])
+        all_ends = np.concatenate([at + 1, offsets[last[known] + 1],
+                                   offsets[np.flatnonzero(newline) + 1]])
+        order = np.argsort(all_ends, kind="stable")
+        return all_ids[order], all_ends[order]
+
+    def _unk_tokens(self, chunk: bytes, ids: np.ndarray, offsets: np.ndarray,
+                    newline: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Without byte fallback: words (unknown ones <unk>) and an <eos> at every line end,
+        also after a last line without ``\\n``."""
+        at = np.sort(np.append(last, np.flatnonzero(newline)))
+        out, ends = np.full(len(at), self._eos, dtype=np.int32), offsets[at + 1]
+        out[~newline[at]] = ids
         if chunk and not chunk.endswith(b"\n"):
-            ids, ends = np.append(ids, self._eos), np.append(ends, len(chunk))
-        return ids, ends
+            out, ends = np.append(out, self._eos), np.append(ends, len(chunk))
+        return out, ends
 
     def pieces(self, ids: Iterable[int]) -> Iterator[bytes]:
         after_word = False
         for id in map(int, ids):
-            if self._check(id) == self._eos:
-                after_word = False
+            kind = self._kinds[self._check(id)]
+            if kind == 2:
                 yield b"\n"
             else:
-                yield b" " + self._bytes[id] if after_word else self._bytes[id]
-                after_word = True
+                yield b" " + self._bytes[id] if after_word and not kind else self._bytes[id]
+            after_word = not kind
 
     def token_text(self, id: int) -> str:
         return _readable(self._bytes[self._check(id)])
@@ -298,7 +384,7 @@ class BPETokenizer(Tokenizer):
     A byte-level file gives every token its exact bytes (text that is not UTF-8 included);
     another kind of file scores each token by its character offsets."""
 
-    name, unit = "bpe", "token"
+    name, unit, default_size = "bpe", "token", DEFAULT_BPE_SIZE
 
     def __init__(self, model: hf.Tokenizer) -> None:
         self._hf, self._spec = model, json.loads(model.to_str())
@@ -311,10 +397,16 @@ class BPETokenizer(Tokenizer):
         self._lengths = np.array([len(piece) for piece in self._bytes], dtype=np.int64)
         byte_ids = [vocab.get(char) for char in _BYTE_CHARS]
         self._byte_ids = byte_ids if None not in byte_ids and self._byte_level else None
+        self._unk = vocab.get((self._spec.get("model") or {}).get("unk_token") or "")
 
     @property
     def vocab_size(self) -> int:
         return self._size
+
+    @property
+    def unk_id(self) -> int | None:
+        """The id of the file's unknown token, if its model has one."""
+        return self._unk
 
     @classmethod
     def train(cls, text: bytes | np.ndarray, *, vocab_size: int | None = None,
@@ -567,26 +659,24 @@ def _count_words(array: np.ndarray, progress: bool) -> Counter[str]:
     return counts
 
 
-def _vocabulary(counts: Counter[str], min_count: int, max_size: int | None) -> list[str]:
-    """Symbols by count (ties: first appearance), <eos> and <unk> included; <unk> counts the
-    words left out."""
-    counts = Counter({**counts, UNK: counts[UNK]})  # <unk> last among ties unless in the text
+def _top_words(counts: Counter[str], min_count: int, vocab_size: int | None) -> list[str]:
+    """The ``vocab_size - 257`` words of ``counts`` seen most (at least ``min_count`` times;
+    ties: first appearance; None: all of them), the 257 being <eos> and the 256 bytes."""
+    special = {EOS, UNK, *BYTE_SYMBOLS}
     words = sorted((word for word, count in counts.items()
-                    if count >= min_count and word not in (EOS, UNK)),
+                    if count >= min_count and word not in special),
                    key=counts.__getitem__, reverse=True)  # stable: ties keep their order
-    if max_size is not None:
-        if max_size < 2:
-            raise TokenizerError(f"words needs vocab_size >= 2 (for {EOS} and {UNK}), "
-                                 f"got {max_size}")
-        if max_size > len(words) + 2:
-            raise TokenizerError(
-                f"the training split has only {len(words) + 2} distinct words (with {EOS} and "
-                f"{UNK}; min_count={min_count}); ask for at most {len(words) + 2}")
-        words = words[:max_size - 2]
-    kept = {*words, EOS, UNK}
-    final = {word: count for word, count in counts.items() if word in kept}
-    final[UNK] += sum(counts.values()) - sum(final.values())
-    return sorted(final, key=final.__getitem__, reverse=True)
+    if vocab_size is None:
+        return words
+    fixed = 1 + len(BYTE_SYMBOLS)
+    if vocab_size < fixed:
+        raise TokenizerError(f"words needs vocab_size >= {fixed} ({EOS} and the 256 bytes that "
+                             f"spell other words), got {vocab_size}")
+    if vocab_size > len(words) + fixed:
+        raise TokenizerError(
+            f"the training split has only {len(words)} distinct words (min_count={min_count}); "
+            f"ask for at most {len(words) + fixed} (with {EOS} and the 256 bytes)")
+    return words[:vocab_size - fixed]
 
 
 def _as_array(data: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:

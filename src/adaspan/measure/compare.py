@@ -86,6 +86,7 @@ COLUMNS: tuple[Column, ...] = (
     ("steps", "steps", "{:,}".format),
     ("valid_bpc", "valid bpc", "{:.3f}".format),
     ("test_bpc", "test bpc", "{:.3f}".format),
+    ("valid_unk_share", "valid bytes under <unk>", "{:.1%}".format),
 )
 
 
@@ -110,7 +111,8 @@ def compare(
     ``layers``, ``avg_span``, ``params``, ``flops_per_char``, ``peak_mb``, ``chars_per_s``
     (training), ``steps``, ``valid_bpc`` and, if ``evaluate_test``, ``test_bpc``; bpc is
     measured on the whole split, or its first ``eval_chars`` characters (rounded up to whole
-    blocks). Also writes ``out_dir/compare.md`` and ``out_dir/compare.csv`` and, with
+    blocks); ``valid_unk_share`` where bytes of the valid split are under ``<unk>`` (bpc is
+    then a lower bound). Also writes ``out_dir/compare.md`` and ``out_dir/compare.csv`` and, with
     matplotlib, ``out_dir/compare_curves.png`` (and ``compare_max_spans.png``) and
     ``out_dir/compare.html``.
     """
@@ -135,7 +137,8 @@ def compare(
         if model.span_type.learned:
             learned[label] = measured["spans"]
     write_csv(rows, out_dir / CSV_FILE)
-    caption = _caption(train_config, eval_chars, device)
+    caption = _caption(train_config, eval_chars, device,
+                       any("valid_unk_share" in row for row in rows))
     (out_dir / MARKDOWN_FILE).write_text(f"{caption}\n\n{format_markdown(rows)}")
     log(f"wrote {out_dir / MARKDOWN_FILE} and {out_dir / CSV_FILE}")
     try:
@@ -255,24 +258,25 @@ def _evaluation(model: SpanLM, run_dir: Path, splits: tuple[str, ...],
     stored = json.loads(stored_file.read_text()) if stored_file.is_file() else {}
     if (stored.get("eval_chars") != eval_chars or not set(keys) <= set(stored.get("bpc", {}))
             or "peak_mb" not in stored or "precision" not in stored
-            or "bytes_per_token" not in stored):
+            or "bytes_per_token" not in stored or "unk_share" not in stored):
         results = [evaluate(model, tokens, block_size=block_size, progress=progress,
-                            max_chars=eval_chars, ends=ends)
-                   for tokens, _, _, ends in (run_split(run_dir, split, progress=progress)
-                                              for split in splits)]
+                            max_chars=eval_chars, ends=ends, unk=unk)
+                   for tokens, _, _, ends, unk in (run_split(run_dir, split, progress=progress)
+                                                   for split in splits)]
         bpc = {key: result["bpc"] for key, result in zip(keys, results, strict=True)}
         streams = train_config.batch_size // train_config.batch_split
         peak = training_estimate(model, train_config, streams)
         stored = {"eval_chars": eval_chars, "bpc": bpc,
                   "precision": results[0]["precision"],
                   "bytes_per_token": results[0]["bytes_per_token"],
+                  "unk_share": results[0]["unk_share"],
                   "spans": effective_spans(model, block_size),
                   "flops_per_char": flops_per_char(model, block_size),
                   "peak_mb": peak.total / 2**20}
         text = json.dumps(stored) + "\n"
         atomic_write({stored_file: lambda path: path.write_text(text)})
     return {"spans": stored["spans"], "flops_per_char": stored["flops_per_char"],
-            "bytes_per_token": stored["bytes_per_token"],
+            "bytes_per_token": stored["bytes_per_token"], "unk_share": stored["unk_share"],
             "peak_mb": stored["peak_mb"], "eval_precision": stored["precision"]["dtype"],
             **{key: stored["bpc"][key] for key in keys}}
 
@@ -297,6 +301,7 @@ def _row(model: SpanLM, summary: dict, measured: dict, with_limit: bool) -> dict
         "chars_per_s": summary["chars_per_s"],
         "steps": summary["steps"],
         **{key: value for key, value in measured.items() if key.endswith("_bpc")},
+        **({"valid_unk_share": measured["unk_share"]} if measured["unk_share"] else {}),
         "train_precision": summary.get("precision", {}).get("dtype"),
         "eval_precision": measured["eval_precision"],
     }
@@ -308,7 +313,8 @@ def _budget(train_config: TrainConfig) -> str:
             else f"{train_config.steps:,} steps")
 
 
-def _caption(train_config: TrainConfig, eval_chars: int | None, device: torch.device) -> str:
+def _caption(train_config: TrainConfig, eval_chars: int | None, device: torch.device,
+             lower_bound: bool) -> str:
     budget = _budget(train_config)
     unit = TOKENIZERS[train_config.tokenizer].unit
     scope = f"first {eval_chars:,} {unit}s (a prefix)" if eval_chars else "whole split"
@@ -316,7 +322,12 @@ def _caption(train_config: TrainConfig, eval_chars: int | None, device: torch.de
                        for job in ("train", "score"))
     return (f"{train_config.data} ({train_config.tokenizer} tokens): every method trained for "
             f"{budget} with seed {train_config.seed} in {trained} on {device}; bpc (bits per "
-            f"byte of the text) over the {scope}, scored in {scored}.")
+            f"byte of the text{_UNK_NOTE if lower_bound else ''}) over the {scope}, scored in "
+            f"{scored}.")
+
+
+_UNK_NOTE = ("; a lower bound: the bytes under <unk> are scored as one token a word, their "
+             "share in the last column")
 
 
 def format_markdown(rows: list[dict]) -> str:

@@ -86,15 +86,20 @@ def report_page(data: dict, saved: dict, events: list[dict], config: ModelConfig
     return _page(f"adaspan report: {Path(data['run_dir']).name}", "".join(sections))
 
 
-def _validation(bpc: float, precision: str | None) -> str:
+def _validation(bpc: float, precision: str | None, unk_share: float | None) -> str:
     """A validation bpc of training, labelled with the precision it ran in (where recorded:
-    training validates in its own precision, not the fp32 of ``adaspan evaluate``)."""
-    return f"{bpc:.3f}" + (f" (validation prefix, {precision})" if precision else "")
+    training validates in its own precision, not the fp32 of ``adaspan evaluate``) and, where
+    bytes were under ``<unk>``, as a lower bound."""
+    notes = [f"validation prefix, {precision}"] if precision else []
+    if unk_share:
+        notes.append(f"a lower bound: {unk_share:.1%} of the bytes under <unk>, scored as one "
+                     "token a word")
+    return f"{bpc:.3f}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _header(data: dict, saved: dict, events: list[dict]) -> str:
     last = events[-1] if events else {}
-    valid = [(e["valid_bpc"], e.get("precision")) for e in events
+    valid = [(e["valid_bpc"], e.get("precision"), e.get("valid_unk_share")) for e in events
              if e.get("valid_bpc") is not None]
     summary = span_summary(data["spans"])
     tokenizer = TOKENIZERS[saved.get("train", {}).get("tokenizer", "bytes")]

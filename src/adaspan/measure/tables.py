@@ -40,10 +40,18 @@ def score_text(result: dict, unit: str) -> str:
     """The score of an evaluation ``result`` as fits what a token is (``unit``): bpc for bytes;
     otherwise bits per byte of the text, so that tokenizers compare, and per-token perplexity."""
     if unit in BYTE_UNITS:
-        return f"{result['bpc']:.4f} bpc over {result['chars']:,} {unit}s"
-    return (f"{result['bpc']:.4f} bits per byte over {result['bytes']:,} bytes; perplexity "
-            f"{result['perplexity']:,.2f} per {unit} ({result['bits_per_token']:.4f} bits) over "
-            f"{result['chars']:,} {unit}s")
+        return f"{result['bpc']:.4f} bpc over {result['chars']:,} {unit}s{_bound(result)}"
+    return (f"{result['bpc']:.4f} bits per byte over {result['bytes']:,} bytes{_bound(result)}; "
+            f"perplexity {result['perplexity']:,.2f} per {unit} ({result['bits_per_token']:.4f} "
+            f"bits) over {result['chars']:,} {unit}s")
+
+
+def _bound(result: dict) -> str:
+    """What a bpc under ``<unk>`` is: a lower bound, and the share of bytes it leaves out."""
+    if not result.get("bpc_lower_bound"):
+        return ""
+    return (f" (a lower bound: {result['unk_share']:.1%} of the bytes are under <unk>, each "
+            "word of them scored as one token)")
 
 
 def _evaluation_card(result: dict, unit: str) -> str:
@@ -120,7 +128,8 @@ def bench_table(result: dict, notes: Mapping[str, str]) -> str:
     each key of ``notes`` (what a memory figure measures)."""
     lines = []
     for key, value in result.items():
-        shown = f"{value:,.1f}" if isinstance(value, float) else value
+        shown = (f"{value:.1%}" if key.endswith("_share") else f"{value:,.1f}"
+                 if isinstance(value, float) else value)
         note = f"  ({notes[key]})" if key in notes else ""
         lines.append(f"{key:>22}: {shown}{note}")
     return "\n".join(lines)

@@ -39,6 +39,7 @@ def evaluate(
     token_logprobs: bool = False,
     dist: Distributed | None = None,
     ends: np.ndarray | None = None,
+    unk: int | None = None,
 ) -> dict:
     """Bits per character (per byte of text) of ``model`` on ``tokens``.
 
@@ -47,21 +48,19 @@ def evaluate(
     validation. The model runs on ``device`` (default: where it is) in eval mode, no grad.
     ``dtype``: a :class:`~adaspan.training.precision.Precision`, or auto (fp32, TF32 off), float32
     or bfloat16 as a scoring job chooses them. Nothing waits for the device but the upload of
-    each block. ``ends``: where
-    each token ends in the text (None: the tokens are bytes). Returns :func:`scores` (``bpc``:
-    bits per byte of the text the targets cover, comparable across tokenizers; per token
-    ``loss`` and ``perplexity``), ``precision`` (:meth:`Precision.record`), then how:
-    ``streams`` (``batch_size``), ``stream_chars`` (targets per stream), ``block_size``,
-    ``cache_carried`` and ``cache_positions`` (per layer, the positions carried to the next
-    block: 0 for a variant that carries none; :func:`short_context` adds how many targets had
-    less context than the longest span); with ``token_logprobs=True`` also ``token_logprobs``,
-    the log-probability of every target, stream after stream (float32).
-
-    With ``dist`` (every rank of a torchrun job calls it, each with its own ``device``), each
-    rank scores its :meth:`~Distributed.rows` of the ``batch_size`` streams and the sums are
-    all-reduced: every rank returns what one process scoring all of them would, up to the
-    order of float summation (``token_logprobs`` is refused: it would be one rank's share).
-    """
+    each block. ``ends``: where each token ends in the text (None: the tokens are bytes);
+    ``unk``: the id of ``<unk>`` where the tokens have one. Returns :func:`scores` (``bpc``:
+    bits per byte of the text the targets cover, comparable across tokenizers unless
+    ``bpc_lower_bound``; per token ``loss`` and ``perplexity``), ``precision``
+    (:meth:`Precision.record`), then how: ``streams`` (``batch_size``), ``stream_chars``
+    (targets per stream), ``block_size``, ``cache_carried`` and ``cache_positions`` (per
+    layer, the positions carried to the next block: 0 for a variant that carries none;
+    :func:`short_context` adds how many targets had less context than the longest span); with
+    ``token_logprobs=True`` also ``token_logprobs``, the log-probability of every target,
+    stream after stream (float32). With ``dist`` (every rank of a torchrun job calls it, each
+    with its own ``device``), each rank scores its :meth:`~Distributed.rows` of the streams,
+    the sums all-reduced: each returns what one process would, up to the order of float sums
+    (``token_logprobs`` is refused: it would be one rank's share)."""
     dist = dist if dist is not None else Distributed()
     _check(max_chars, batch_size, token_logprobs, dist)
     stream = BlockStream(tokens[: None if max_chars is None else max_chars + 1], batch_size,
@@ -80,7 +79,8 @@ def evaluate(
     nll, chars = dist.sum([nll.item(), chars])
     carried = _positions(cache)
     covered = chars if ends is None else scored_bytes(ends, batch_size, stream.stream_len)
-    result = {**scores(nll, int(chars), covered), "streams": batch_size,
+    unknown = unk_bytes(tokens, ends, unk, batch_size * stream.stream_len)
+    result = {**scores(nll, int(chars), covered, unknown), "streams": batch_size,
               "stream_chars": stream.stream_len, "block_size": block_size,
               "cache_carried": max(carried) > 0, "cache_positions": carried,
               "precision": precision.record()}
@@ -89,15 +89,31 @@ def evaluate(
     return result
 
 
-def scores(nll: float, tokens: int, covered: int) -> dict:
+def scores(nll: float, tokens: int, covered: int, unknown: int = 0) -> dict:
     """The figures of a total negative log-likelihood ``nll`` (nats) of ``tokens`` targets
-    covering ``covered`` bytes of text: ``bpc`` (bits per byte), ``loss`` (nats per token),
-    ``perplexity`` (per token), ``bits_per_token``, ``bytes``, ``chars`` (the targets) and
-    ``bytes_per_token``."""
+    covering ``covered`` bytes of text, ``unknown`` of them under ``<unk>``: ``bpc`` (bits per
+    byte), ``loss`` (nats per token), ``perplexity`` (per token), ``bits_per_token``,
+    ``bytes``, ``chars`` (the targets), ``bytes_per_token``, ``unk_bytes``, ``unk_share``
+    (of the bytes) and ``bpc_lower_bound``: whether some bytes were scored as ``<unk>``, one
+    prediction for a whole word, so that ``bpc`` is less than the text would cost."""
     loss = nll / tokens
     return {"bpc": nll / covered / math.log(2), "loss": loss,
             "perplexity": math.exp(min(loss, 700.0)), "bits_per_token": loss / math.log(2),
-            "bytes": int(covered), "chars": tokens, "bytes_per_token": covered / tokens}
+            "bytes": int(covered), "chars": tokens, "bytes_per_token": covered / tokens,
+            "unk_bytes": int(unknown), "unk_share": unknown / covered,
+            "bpc_lower_bound": unknown > 0}
+
+
+def unk_bytes(tokens: np.ndarray, ends: np.ndarray | None, unk: int | None, targets: int) -> int:
+    """Bytes of text under the ``unk`` tokens among the first ``targets`` targets of ``tokens``
+    (tokens 1 to ``targets``: every stream's, :class:`~adaspan.data.corpora.BlockStream`)."""
+    if unk is None:
+        return 0
+    hit = np.flatnonzero(np.asarray(tokens[1:targets + 1]) == unk) + 1
+    if ends is None:
+        return len(hit)
+    return int((np.asarray(ends, dtype=np.int64)[hit]
+                - np.asarray(ends, dtype=np.int64)[hit - 1]).sum())
 
 
 def scored_bytes(ends: np.ndarray, streams: int, stream_len: int) -> int:

@@ -21,6 +21,7 @@ from ..data.corpora import SPLITS, Corpus, load_corpus
 from ..data.download import data_dir as data_root
 from ..data.tokenizer import (
     TOKENIZERS,
+    UNK,
     ByteTokenizer,
     Encoded,
     Tokenizer,
@@ -71,6 +72,24 @@ class TokenCorpus:
         ends = self.ends(name)
         return 1.0 if ends is None or not len(ends) else float(ends[-1]) / len(ends)
 
+    def outside(self, name: str = "train") -> tuple[float, float]:
+        """Shares of the bytes of split ``name`` outside the vocabulary (:func:`outside`)."""
+        return outside(self.tokenizer, self.split(name), self.ends(name))
+
+
+def outside(tokenizer: Tokenizer, ids: np.ndarray, ends: np.ndarray | None) -> tuple[float, float]:
+    """Shares of the bytes of a text (its tokens ``ids`` ending at ``ends``) outside the
+    vocabulary of ``tokenizer``: under ``<unk>``, and spelled one byte a token
+    (:attr:`~adaspan.data.tokenizer.Tokenizer.fallback_ids`); 0, 0 for bytes."""
+    if ends is None or not len(ends):
+        return 0.0, 0.0
+    ids, lengths = np.asarray(ids), np.diff(np.asarray(ends), prepend=0)
+    spelled = np.zeros(tokenizer.vocab_size, bool)
+    spelled[tokenizer.fallback_ids] = True
+    unk = tokenizer.unk_id
+    under = int(lengths[ids == unk].sum()) if unk is not None else 0
+    return under / float(ends[-1]), int(lengths[spelled[ids]].sum()) / float(ends[-1])
+
 
 def run_tokenizer(config: TrainConfig, corpus: Corpus, vocab_size: int,
                   progress: bool = True) -> Tokenizer:
@@ -88,6 +107,21 @@ def check_vocab(model_config: ModelConfig, tokenizer: Tokenizer) -> None:
     if not tokenizer.fits(size):
         raise ConfigError(f"vocab_size={size} does not fit the {tokenizer.name} tokenizer, "
                           f"which has {wanted} tokens: set vocab_size={wanted}")
+
+
+TOO_SMALL = 0.5  # share of the train split's bytes outside the vocabulary that warns
+
+
+def vocab_warning(tokens: TokenCorpus) -> str | None:
+    """One line where most of the train split's bytes are outside the vocabulary (spelled byte
+    by byte, or under ``<unk>``): the vocabulary is too small for the text."""
+    unk, spelled = tokens.outside("train")
+    if unk + spelled <= TOO_SMALL:
+        return None
+    tokenizer = tokens.tokenizer
+    return (f"warning: {unk + spelled:.0%} of the train split's bytes are outside the "
+            f"{tokenizer.vocab_size:,}-token {tokenizer.name} vocabulary ({spelled:.0%} spelled "
+            f"byte by byte, {unk:.0%} under <unk>): a larger vocab_size fits this text better")
 
 
 def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, data_dir: str | None = None,
@@ -113,12 +147,14 @@ def saved_tokenizer(run_dir: str | Path | RunDir) -> Tokenizer:
 
 class RunSplit(NamedTuple):
     """A split of a run's corpus as its tokens: ids, the corpus's name, what one token is,
-    and where each token ends in the text (None: one byte per token)."""
+    where each token ends in the text (None: one byte per token), and the id of ``<unk>``
+    (None: the tokens keep every byte)."""
 
     tokens: np.ndarray
     name: str
     unit: str
     ends: np.ndarray | None
+    unk: int | None
 
 
 def run_split(run_dir: str | Path, split: str, data: str | Path | None = None,
@@ -131,12 +167,14 @@ def run_split(run_dir: str | Path, split: str, data: str | Path | None = None,
     if vocab is not None:
         folder = data or saved.data
         ids = encode_split(folder, split, vocab)
-        return RunSplit(ids, f"{folder} (authors' format)", "symbol", symbol_ends(ids, vocab))
+        return RunSplit(ids, f"{folder} (authors' format)", "symbol", symbol_ends(ids, vocab),
+                        vocab.index(UNK) if UNK in vocab else None)
     data_dir = data_dir or saved.data_dir
     corpus = load_corpus(data or saved.data, data_dir, progress=progress)
     tokens = encode_corpus(corpus, saved_tokenizer(run_dir), data_dir and str(data_dir),
                            progress, (split,))
-    return RunSplit(tokens.split(split), corpus.name, tokens.tokenizer.unit, tokens.ends(split))
+    return RunSplit(tokens.split(split), corpus.name, tokens.tokenizer.unit, tokens.ends(split),
+                    tokens.tokenizer.unk_id)
 
 
 def run_codec(run_dir: str | Path) -> Tokenizer | ByteSymbols:
@@ -155,20 +193,26 @@ def run_codec(run_dir: str | Path) -> Tokenizer | ByteSymbols:
         raise OfficialFormatError(f"{RunDir(run_dir).vocab_file}: {exc}") from None
 
 
+UNK_NOTE = {"unk_share": "of the valid split's bytes under <unk>: one token for a whole word, "
+                         "so the figures per byte are upper bounds"}
+
+
 def per_byte(config: TrainConfig, model_config: ModelConfig, figures: dict,
              progress: bool = True) -> dict:
     """``figures`` of ``adaspan bench`` per token (``*_chars_per_s``, ``flops_per_char``) also
     per byte of text, for a tokenizer that learns its tokens: the corpus's valid split read
-    as the tokens of ``config`` says how many bytes a token is on average. Empty for bytes
-    (the corpus is then not read)."""
+    as the tokens of ``config`` says how many bytes a token is on average (``unk_share``:
+    the share of those bytes under ``<unk>``, where some are: each word of them counted as
+    read in one token). Empty for bytes (the corpus is then not read)."""
     if not TOKENIZERS[config.tokenizer].learned:
         return {}
     corpus = load_corpus(config.data, config.data_dir, progress=progress)
     tokenizer = run_tokenizer(config, corpus, model_config.vocab_size, progress)
     check_vocab(model_config, tokenizer)
-    ratio = encode_corpus(corpus, tokenizer, config.data_dir, progress,
-                          ("valid",)).bytes_per_token("valid")
+    tokens = encode_corpus(corpus, tokenizer, config.data_dir, progress, ("valid",))
+    ratio, unk_share = tokens.bytes_per_token("valid"), tokens.outside("valid")[0]
     rates = {key.replace("_chars_per_s", "_bytes_per_s"): value * ratio
              for key, value in figures.items() if key.endswith("_chars_per_s")}
     return {"tokenizer": config.tokenizer, "bytes_per_token": ratio, **rates,
-            "flops_per_byte": figures["flops_per_char"] / ratio}
+            "flops_per_byte": figures["flops_per_char"] / ratio,
+            **({"unk_share": unk_share} if unk_share else {})}

@@ -45,7 +45,14 @@ from .memory import MemoryPlan, MemoryWatch, check_training_memory, memory_avail
 from .optim import build_optimizer, build_scheduler, lr_factor, step_with_tensor_clip
 from .precision import Precision, choose
 from .recorder import Recorder
-from .tokens import TokenCorpus, check_vocab, encode_corpus, run_tokenizer, saved_tokenizer
+from .tokens import (
+    TokenCorpus,
+    check_vocab,
+    encode_corpus,
+    run_tokenizer,
+    saved_tokenizer,
+    vocab_warning,
+)
 from .watch import SpanWatch
 
 
@@ -287,6 +294,9 @@ class _Loop:
     def run_steps(self) -> dict:
         """Train until ``steps``, the time budget or a signal; return the summary."""
         self.log(_describe(self.run))
+        warning = vocab_warning(self.run.corpus)
+        if warning is not None:
+            self.log(warning)
         self.start = time.monotonic()
         self.bar = tqdm(total=self.config.steps, initial=self.state.step, unit="step",
                         dynamic_ncols=True, disable=None if self.run.progress else True)
@@ -376,9 +386,11 @@ class _Loop:
         """Write one metrics record (all ranks take part: the train loss is averaged)."""
         train_bpc = self.dist.mean(nll / math.log(2)) / self.run.corpus.bytes_per_token()
         spans = self.model.spans()
+        valid = _validate(self.run) if validate else None
+        unk = {"valid_unk_share": valid["unk_share"]} if valid and valid["unk_bytes"] else {}
         record = self.recorder.record(
-            self.state.step, train_bpc, _validate(self.run) if validate else None, spans,
-            precision=self.run.precision.describe(), elapsed=self._elapsed())
+            self.state.step, train_bpc, valid and valid["bpc"], spans,
+            precision=self.run.precision.describe(), elapsed=self._elapsed(), **unk)
         self.log(self.recorder.line(record))
         if self.model.span_type.learned:
             for warning in self.spans.check(self.state.step, spans):
@@ -406,14 +418,15 @@ class _Loop:
         return summary
 
 
-def _validate(run: Run) -> float:
-    """Bits per character on the first ``eval_chars`` of the valid split, each rank scoring its
-    share of the streams (as many per rank as a training slice), in the training's
-    precision."""
+def _validate(run: Run) -> dict:
+    """The scores (:func:`~adaspan.training.evaluate.scores`) of the first ``eval_chars`` of the
+    valid split, each rank scoring its share of the streams (as many per rank as a training
+    slice), in the training's precision."""
     config = run.config
     return evaluate(run.model, run.corpus.valid, batch_size=config.batch_size // config.batch_split,
                     block_size=config.block_size, max_chars=config.eval_chars,
-                    dtype=run.precision, dist=run.dist, ends=run.corpus.ends("valid"))["bpc"]
+                    dtype=run.precision, dist=run.dist, ends=run.corpus.ends("valid"),
+                    unk=run.corpus.tokenizer.unk_id)
 
 
 def _continue(run_dir: RunDir) -> str:
