@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -319,3 +320,25 @@ def test_a_comparison_of_bpe_runs_gives_spans_and_flops_per_byte_too(tmp_path):
         assert 1.5 < ratio < 4  # 300 byte-level BPE tokens of English
         assert row["flops_per_byte"] == pytest.approx(row["flops_per_char"] / ratio)
     assert "FLOPs/byte" in (tmp_path / "bpe" / MARKDOWN_FILE).read_text()
+
+
+def test_a_comparison_on_a_vocabulary_with_unk_flags_its_bits_per_byte(tmp_path, corpus_file):
+    """A user's words vocabulary with <unk> (adaspan 0.8's format): each row gives the share of
+    the valid bytes under <unk>, and the caption calls bpc a lower bound."""
+    words = Path(corpus_file).read_bytes().decode().split()
+    symbols = ["<eos>", "<unk>", *sorted(set(words), key=words.count, reverse=True)[:30]]
+    vocabulary = tmp_path / "old.json"
+    vocabulary.write_text(json.dumps({"adaspan_tokenizer": "words", "version": 1,
+                                      "min_count": 1, "max_size": 32, "symbols": symbols}))
+    rows = _compare(tmp_path / "unk", ["fixed", "adaptive"],
+                    ("tokenizer=words", f"tokenizer_file={vocabulary}", "vocab_size=32",
+                     f"data={corpus_file}", f"data_dir={tmp_path / 'cache'}"),
+                    evaluate_test=False)
+    shares = {row["valid_unk_share"] for row in rows}
+    assert len(shares) == 1 and 0 < shares.pop() < 1  # the same text, the same share
+    markdown = (tmp_path / "unk" / MARKDOWN_FILE).read_text()
+    assert "valid bytes under <unk>" in markdown and "a lower bound" in markdown.splitlines()[0]
+    plain = _compare(tmp_path / "bytes", ["fixed"], (f"data={corpus_file}",),
+                     evaluate_test=False)
+    assert "valid_unk_share" not in plain[0]
+    assert "lower bound" not in (tmp_path / "bytes" / MARKDOWN_FILE).read_text()
