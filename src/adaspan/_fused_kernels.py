@@ -5,7 +5,9 @@ Program (i, b * H + h) handles queries i * BLOCK .. (i + 1) * BLOCK - 1 of head 
 b and loops over the tiles of the keys they can see, ``history + t - w_h`` to
 ``history + t - 1`` for query t: the loop's bounds follow the head's window w_h, read from
 ``WIN``. Pointers are (b, h, position) strides plus a contiguous last dimension of ``dh``
-(padded to ``DH``); z has (b, h, t) strides, 0 where it is broadcast. ``PRECISION`` is the
+(padded to ``DH``); z has (b, h, t) strides, 0 where it is broadcast. The sizes and z's strides
+are not specialised on their values (``do_not_specialize``: a head count or a stride of 1 would
+compile another kernel); the other strides are, on their divisibility by 16. ``PRECISION`` is the
 ``input_precision`` of every product (``"ieee"``: fp32 products in fp32; ``"tf32"``: TF32 on
 the tensor cores; ignored for 16-bit inputs).
 
@@ -43,18 +45,26 @@ def _position_rows(POS, first, spd, n_pos, dh, dtype, DH: tl.constexpr, BLOCK: t
 
 
 @triton.jit
+def _key_rows(X, base, r, stride, T, dh, DH: tl.constexpr):
+    """Rows ``r`` of a head's keys or values (``X + base``, rows ``stride`` apart; 0 outside
+    the sequence and beyond ``dh``)."""
+    e = tl.arange(0, DH)
+    return tl.load(X + base + r[:, None] * stride + e[None, :],
+                   mask=(r[:, None] >= 0) & (r[:, None] < T) & (e[None, :] < dh), other=0.0)
+
+
+@triton.jit
 def _scores(q, K, POS, kb, skt, spd, z, start, r0, history, w, T, n_pos, dh, scale, ramp,
             HAS_Z: tl.constexpr, DH: tl.constexpr, BLOCK: tl.constexpr,
             PRECISION: tl.constexpr):
     """The tile of scores s_tr (eqs. 1-2) of queries ``start`` .. ``start + BLOCK - 1``
     against keys r0 .. r0 + BLOCK - 1, -inf where the key is out of the head's window or its
-    mask is 0; with the keys, the two halves of p_d the tile reads (from ``first``), the masks
-    m_z and where the tile is valid."""
+    mask is 0; with the first row of p_d the tile reads, the masks m_z and where the tile is
+    valid. (The backward loads the keys and p_d again where it needs them: held from here,
+    they would stay in registers through the whole tile.)"""
     t = start + tl.arange(0, BLOCK)
     r = r0 + tl.arange(0, BLOCK)
-    e = tl.arange(0, DH)
-    k = tl.load(K + kb + r[:, None] * skt + e[None, :],
-                mask=(r[:, None] >= 0) & (r[:, None] < T) & (e[None, :] < dh), other=0.0)
+    k = _key_rows(K, kb, r, skt, T, dh, DH)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     first = history + start - r0 - BLOCK + 1
     near = _position_rows(POS, first, spd, n_pos, dh, q.dtype, DH, BLOCK)
@@ -69,7 +79,7 @@ def _scores(q, K, POS, kb, skt, spd, z, start, r0, history, w, T, n_pos, dh, sca
         valid = valid & (m > 0)
         s = s + tl.log(tl.minimum(tl.maximum(m, 1e-30), 1.0))
     s = tl.where(valid, s, float("-inf"))
-    return s, k, near, far, first, m, valid
+    return s, first, m, valid
 
 
 @triton.jit
@@ -97,7 +107,11 @@ def _tile(Q, Z, WIN, LSE, sqb, sqh, sqt, szb, szh, szt, H, M, dh, DH: tl.constex
     return b, h, w, start, t, e, rows, q, z.to(LSE.dtype.element_ty)
 
 
-@triton.jit
+# arguments whose values vary from launch to launch, with no gain from specialising on them
+_VARYING = ("szb", "szh", "szt", "H", "M", "T", "n_pos", "history")
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def band_forward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, spd,
                  szb, szh, szt, H, M, T, n_pos, history, dh, scale, ramp,
                  OUT, LSE, sob, soh, sot, SEED, p_drop,
@@ -122,8 +136,7 @@ def band_forward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, s
         if DROPOUT:
             keep = _keep(SEED, bh, t, r, T, p_drop, BLOCK)
             weights = tl.where(keep, weights / (1.0 - p_drop), 0.0)
-        v = tl.load(V + b * svb + h * svh + r[:, None] * svt + e[None, :],
-                    mask=(r[:, None] >= 0) & (r[:, None] < T) & (e[None, :] < dh), other=0.0)
+        v = _key_rows(V, b * svb + h * svh, r, svt, T, dh, DH)
         acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
         top = new_top
     out = acc / total[:, None]
@@ -144,7 +157,7 @@ def _add_position_rows(GPOS, first, grad, spd, n_pos, dh, DH: tl.constexpr,
 
 
 @triton.jit
-def _position_gradients(grad_s, q, near, far, GPOS, first, spd, n_pos, dh, DH: tl.constexpr,
+def _position_gradients(grad_s, q, POS, GPOS, first, spd, n_pos, dh, DH: tl.constexpr,
                         BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     """The gradient of a tile's position scores, back in the two halves of p_d it read (from
     ``first``): added to p_d's gradient atomically; returns the queries' share."""
@@ -155,11 +168,13 @@ def _position_gradients(grad_s, q, near, far, GPOS, first, spd, n_pos, dh, DH: t
     _add_position_rows(GPOS, first + BLOCK,
                        tl.dot(tl.trans(grad_far), q, input_precision=PRECISION),
                        spd, n_pos, dh, DH, BLOCK)
+    near = _position_rows(POS, first, spd, n_pos, dh, q.dtype, DH, BLOCK)
     grad_q = tl.dot(grad_near, near, input_precision=PRECISION)
+    far = _position_rows(POS, first + BLOCK, spd, n_pos, dh, q.dtype, DH, BLOCK)
     return grad_q + tl.dot(grad_far, far, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def band_backward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, spd,
                   szb, szh, szt, H, M, T, n_pos, history, dh, scale, ramp,
                   OUT, LSE, GO, GQ, GK, GPOS, GZ, sgb, sgh, sgt, sdb, sdh, sdt,
@@ -180,13 +195,13 @@ def band_backward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, 
     grad_q = tl.zeros((BLOCK, DH), acc_type)
     grad_z = tl.zeros((BLOCK,), acc_type)
     for r0 in range(history + start - w, history + start + BLOCK - 1, BLOCK):
-        s, k, near, far, first, m, valid = _scores(q, K, POS, b * skb + h * skh, skt, spd, z,
-                                                   start, r0, history, w, T, n_pos, dh, scale,
-                                                   ramp, HAS_Z, DH, BLOCK, PRECISION)
+        s, first, m, valid = _scores(q, K, POS, b * skb + h * skh, skt, spd, z, start, r0,
+                                     history, w, T, n_pos, dh, scale, ramp, HAS_Z, DH, BLOCK,
+                                     PRECISION)
         r = r0 + tl.arange(0, BLOCK)
         keys = (r[:, None] >= 0) & (r[:, None] < T) & (e[None, :] < dh)
         weights = tl.exp(s - lse[:, None])
-        v = tl.load(V + b * svb + h * svh + r[:, None] * svt + e[None, :], mask=keys, other=0.0)
+        v = _key_rows(V, b * svb + h * svh, r, svt, T, dh, DH)
         grad_weights = tl.dot(go, tl.trans(v), input_precision=PRECISION)
         dropped = weights
         if DROPOUT:
@@ -202,11 +217,12 @@ def band_backward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, 
             ramp_m = ramp * tl.maximum(m, 1e-30)
             grad_z += tl.sum(tl.where(valid & (m < 1.0), grad_s / ramp_m, 0.0), 1)
         grad_s = grad_s * scale
+        k = _key_rows(K, b * skb + h * skh, r, skt, T, dh, DH)
         grad_q += tl.dot(grad_s.to(k.dtype), k, input_precision=PRECISION)
         tl.atomic_add(key_rows, tl.dot(tl.trans(grad_s.to(q.dtype)), q, input_precision=PRECISION),
                       mask=keys)
-        grad_q += _position_gradients(grad_s, q, near, far, GPOS, first, spd, n_pos, dh, DH,
-                                      BLOCK, PRECISION)
+        grad_q += _position_gradients(grad_s, q, POS, GPOS, first, spd, n_pos, dh, DH, BLOCK,
+                                      PRECISION)
     tl.store(GQ + b * sdb + h * sdh + t[:, None] * sdt + e[None, :],
              grad_q.to(GQ.dtype.element_ty), mask=rows)
     if HAS_Z:

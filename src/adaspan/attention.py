@@ -256,8 +256,9 @@ def _fused_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyV
     """The outputs (B, M, H, dh) of the heads of ``attn`` in one kernel whatever their
     windows, and the new cache. In training, the keys and values of the cached states and of
     the block are two products with W_k and W_v side by side (no weights sliced per head).
-    Where the device cannot run the kernel, the same keys and values by head group (and the
-    layer's ``kernel`` set to ``"grouped"``)."""
+    Where the kernels are not compiled for these heads (:func:`adaspan.fused.compiled`), or
+    the device cannot run them (the layer's ``kernel`` then set to ``"grouped"``), the same
+    keys and values by head group."""
     if isinstance(cache, KeyValueCache):
         keys, values, new_cache = attn._cached_keys_values(x, cache, history)
         kv = keys, values
@@ -268,15 +269,17 @@ def _fused_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyV
         kv = kv.unflatten(-1, (2, attn.n_heads, attn.d_head))  # (B, T, 2, H, dh)
         new_cache = advance(past, x, history)
     dropout = attn.dropout if attn.training else 0.0
-    try:
-        out = fused.band_attention(q, kv, pos, z, layout.windows, history, attn.ramp, dropout)
-    except fused.ResourcesExceeded as exc:
-        _warn_once(x.device, f"the fused attention kernel cannot run here ({exc}); span "
-                             "attention takes the grouped path (the band kernels) instead")
-        attn.kernel = "grouped"
-        keys_values = _sliced(*(kv if isinstance(kv, tuple) else fused.keys_values(kv)))
-        out = _by_group(attn, q, keys_values, pos, z, bounds, layout, history)
-    return out, new_cache
+    if not q.is_cuda or fused.compiled(q.dtype, attn.d_head):
+        try:
+            out = fused.band_attention(q, kv, pos, z, layout.windows, history, attn.ramp,
+                                       dropout)
+            return out, new_cache
+        except fused.ResourcesExceeded as exc:
+            _warn_once(x.device, f"the fused attention kernel cannot run here ({exc}); span "
+                                 "attention takes the grouped path (the band kernels) instead")
+            attn.kernel = "grouped"
+    keys_values = _sliced(*(kv if isinstance(kv, tuple) else fused.keys_values(kv)))
+    return _by_group(attn, q, keys_values, pos, z, bounds, layout, history), new_cache
 
 
 _warned: set[torch.device] = set()  # devices where the fused kernel could not run

@@ -149,6 +149,16 @@ def config(kernel: str, arch: int, d_head: int) -> Config:
     return Config(16, 8, 1)
 
 
+def compiled(dtype: torch.dtype, d_head: int) -> bool:
+    """Whether the kernels run heads of ``dtype`` and ``d_head`` on a GPU: the
+    specializations that every architecture runs within its resources
+    (``scripts/gpu_compile.py``): bf16 and fp16, and fp32 up to 64 features (beyond, the
+    products over the features spill registers). On the CPU (Triton's interpreter) any run."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return dtype != torch.float32 or _head_dim(d_head) <= 64
+
+
 def _arch(device: torch.device) -> int:
     """The architecture whose configurations a CUDA device takes: its own, or the nearest
     one below it (the oldest for an older device)."""
@@ -164,10 +174,11 @@ def _config(kernel: str, q: Tensor) -> Config:
     return config(kernel, _arch(q.device), q.shape[-1])
 
 
-def precision(q: Tensor) -> str:
-    """The products' ``input_precision``: ``"tf32"`` for fp32 queries on CUDA where the run
-    allows TF32, else ``"ieee"`` (fp32 in fp32; 16-bit and fp64 products ignore it)."""
-    tf32 = (q.is_cuda and q.dtype == torch.float32
+def precision(dtype: torch.dtype, device_type: str) -> str:
+    """The products' ``input_precision``: ``"tf32"`` for fp32 on CUDA where the run allows
+    TF32 (``torch.get_float32_matmul_precision()`` not ``"highest"``), else ``"ieee"`` (fp32
+    in fp32; 16-bit and fp64 products ignore it)."""
+    tf32 = (device_type == "cuda" and dtype == torch.float32
             and torch.get_float32_matmul_precision() != "highest")
     return "tf32" if tf32 else "ieee"
 
@@ -197,13 +208,15 @@ def _shared_args(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None,
     args = [q, k, v, pos.to(lse.dtype), zz, windows, *_strides(q), *_strides(k), *_strides(v),
             pos.stride(0), *_strides(zz), H, M, k.shape[2], pos.shape[0], history, dh,
             dh**-0.5, float(ramp)]
-    return args, dict(HAS_Z=z is not None, DH=_head_dim(dh), PRECISION=precision(q))
+    return args, dict(HAS_Z=z is not None, DH=_head_dim(dh),
+                      PRECISION=precision(q.dtype, q.device.type))
 
 
 def _launch_meta(config: Config, dropout: float) -> dict:
-    """The constants and options of a launch with ``config``."""
+    """The constants and options of a launch with ``config`` (ptxas told it may use every
+    register a thread can have: left to itself, it may hold a kernel to 128 and spill)."""
     return dict(DROPOUT=dropout > 0, BLOCK=config.block, num_warps=config.num_warps,
-                num_stages=config.num_stages)
+                num_stages=config.num_stages, maxnreg=255)
 
 
 def forward_launch(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None,
@@ -281,7 +294,8 @@ def _load_backward(out: Tensor, lse: Tensor, q: Tensor, kv: Tensor, pos: Tensor,
                    seed: Tensor | None) -> None:
     """Load the backward kernel of this forward pass on its GPU (once per specialization), so
     that one the device cannot run fails now, while the layer can still take another path."""
-    key = (q.device, q.dtype, q.shape[-1], z is None, dropout > 0, precision(q))
+    key = (q.device, q.dtype, q.shape[-1], z is None, dropout > 0,
+           precision(q.dtype, q.device.type))
     if q.device.type != "cuda" or _observer is not None or key in _loaded:
         return
     grid, args, meta = backward_launch(out, out, lse, q, kv, pos, z, windows, history, ramp,
