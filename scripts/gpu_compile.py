@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib
 import io
 import itertools
 import json
@@ -47,7 +48,7 @@ from adaspan import fused
 KERNELS = ("band_forward", "band_backward")
 DTYPES = {"float32": ("ieee", "tf32"), "bfloat16": ("ieee",), "float16": ("ieee",)}
 D_HEADS = (32, 64, 128)
-MODULE = "adaspan._fused_kernels"
+MODULE = fused.__name__.rpartition(".")[0] + "._fused_kernels"  # beside adaspan.fused
 OPTIONS = ("num_warps", "num_stages", "maxnreg")  # the launch's options that compile passes
 
 
@@ -141,9 +142,7 @@ def cache_key(spec: dict, arch: int, kernel_name: str) -> str:
     import triton
     from triton import knobs
 
-    from adaspan import _fused_kernels
-
-    source = Path(_fused_kernels.__file__).read_bytes()
+    source = Path(importlib.import_module(MODULE).__file__).read_bytes()
     key = [hashlib.sha256(source).hexdigest(), triton.__version__,
            knobs.nvidia.ptxas_blackwell.version, arch, kernel_name, spec]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
@@ -151,9 +150,7 @@ def cache_key(spec: dict, arch: int, kernel_name: str) -> str:
 
 def result(arch: int, kernel_name: str, args: list, meta: dict, cache: Path | None) -> dict:
     """The JSON line of one specialization on ``arch``, from the cache where it is there."""
-    from adaspan import _fused_kernels
-
-    kernel = getattr(_fused_kernels, kernel_name)
+    kernel = getattr(importlib.import_module(MODULE), kernel_name)
     spec = bound(kernel, args, meta, arch)
     path = cache / f"{cache_key(spec, arch, kernel_name)}.json" if cache else None
     line = dict(arch=arch, kernel=f"{MODULE}:{kernel_name}", **spec)
@@ -171,6 +168,28 @@ def result(arch: int, kernel_name: str, args: list, meta: dict, cache: Path | No
     return line | found | dict(seconds=round(time.perf_counter() - start, 2), cached=False)
 
 
+def markdown(lines: list[dict]) -> str:
+    """The lines as one table row per architecture, kernel, dtype (and precision) and d_head:
+    the most shared memory, registers and spill stores over z and dropout."""
+    rows: dict[tuple, list[dict]] = {}
+    for line in lines:
+        c, dtype = line["constexprs"], line["signature"]["Q"][1:]  # "*bf16": bf16
+        if dtype == "fp32":
+            dtype += f" ({c['PRECISION']})"
+        key = (line["arch"], line["kernel"].rpartition(":")[2], dtype, c["DH"], c["BLOCK"],
+               line["num_warps"], line["num_stages"], line["shared_limit"])
+        rows.setdefault(key, []).append(line)
+    table = ["| arch | kernel | dtype | d_head | block, warps, stages | shared (limit) | "
+             "registers | spill bytes |", "|---|---|---|---:|---|---:|---:|---:|"]
+    for (arch, kernel, dtype, d_head, block, warps, stages, limit), group in rows.items():
+        worst = {k: max(line[k] for line in group)
+                 for k in ("shared", "registers", "spill_bytes")}
+        table.append(f"| sm_{arch} | `{kernel}` | {dtype} | {d_head} | {block}, {warps}, "
+                     f"{stages} | {worst['shared']:,} ({limit:,}) | {worst['registers']} | "
+                     f"{worst['spill_bytes']} |")
+    return "\n".join(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--archs", default=",".join(map(str, fused.SHARED_MEMORY)))
@@ -180,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path,
                         default=Path(tempfile.gettempdir()) / "adaspan-gpu-compile")
     parser.add_argument("--no-cache", action="store_true", help="compile every line again")
+    parser.add_argument("--markdown", action="store_true",
+                        help="a table (worst case over z and dropout) instead of JSON lines")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter's
     from triton import knobs
@@ -187,16 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     # the wheel's ptxas-blackwell assembles Triton's PTX for every architecture
     os.environ.setdefault("TRITON_PTXAS_PATH", knobs.nvidia.ptxas_blackwell.path)
     cache = None if args.no_cache else args.cache
-    failed = 0
+    lines = []
     for arch, kernel, dtype, precision, has_z, dropout, d_head in specializations(
             [int(a) for a in args.archs.split(",")], args.kernels.split(","),
             args.dtypes.split(","), [int(d) for d in args.d_heads.split(",")]):
         launch = example_launch(kernel, getattr(torch, dtype), d_head, has_z, dropout,
                                 precision, arch)
-        line = dict(result(arch, kernel, *launch, cache), shared_limit=fused.SHARED_MEMORY[arch])
-        failed += not line["fits"]
-        print(json.dumps(line), flush=True)
-    return 1 if failed else 0
+        lines.append(dict(result(arch, kernel, *launch, cache),
+                          shared_limit=fused.SHARED_MEMORY[arch]))
+        if not args.markdown:
+            print(json.dumps(lines[-1]), flush=True)
+    if args.markdown:
+        print(markdown(lines))
+    return 0 if all(line["fits"] for line in lines) else 1
 
 
 if __name__ == "__main__":
