@@ -72,10 +72,8 @@ def example_launch(kernel: str, dtype: torch.dtype, d_head: int, has_z: bool, dr
         _, args, meta = fused.forward_launch(q, *fused.keys_values(kv), pos, z, *shared, out,
                                              lse, config)
     else:
-        grads = (torch.empty_like(q), torch.empty_like(kv, dtype=torch.float32),
-                 torch.empty_like(pos), None if z is None else torch.empty(B, H, M))
-        _, args, meta = fused.backward_launch(out, out, lse, q, kv, pos, z, *shared, grads,
-                                              config)
+        _, args, meta = fused.backward_launch(out, out, lse, q, kv, pos, z, *shared,
+                                              fused.gradients(q, kv, pos, z, lse), config)
     return args, meta | dict(PRECISION=precision)
 
 

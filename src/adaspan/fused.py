@@ -141,7 +141,8 @@ INTERPRETER = Config(16, 1, 1)  # on the CPU (Triton's interpreter ignores warps
 def config(kernel: str, arch: int, d_head: int) -> Config:
     """The launch configuration of ``kernel`` on architecture ``arch`` (80 for sm_80, one of
     :data:`SHARED_MEMORY`) for heads of ``d_head``: it fits the architecture's shared memory
-    and spills no register in fp32 (either precision), bf16 and fp16 (docs/gpu.md)."""
+    and spills no register in every specialization the GPU runs (:func:`compiled`; fp32 in
+    either precision; docs/gpu.md)."""
     if arch not in SHARED_MEMORY:
         raise ValueError(f"no configuration for sm_{arch}: one of {sorted(SHARED_MEMORY)}")
     if kernel == "band_forward" and _head_dim(d_head) <= 64:
@@ -205,7 +206,8 @@ def _shared_args(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None,
     stands in for an absent z), the windows."""
     B, H, M, dh = q.shape
     zz = lse if z is None else z.to(lse.dtype).expand(B, H, M)
-    args = [q, k, v, pos.to(lse.dtype), zz, windows, *_strides(q), *_strides(k), *_strides(v),
+    pos = pos.to(lse.dtype)
+    args = [q, k, v, pos, zz, windows, *_strides(q), *_strides(k), *_strides(v),
             pos.stride(0), *_strides(zz), H, M, k.shape[2], pos.shape[0], history, dh,
             dh**-0.5, float(ramp)]
     return args, dict(HAS_Z=z is not None, DH=_head_dim(dh),
@@ -265,7 +267,7 @@ def backward_launch(grad_out: Tensor, out: Tensor, lse: Tensor, q: Tensor, kv: T
     return (-(-M // config.block), B * H), args, meta | _launch_meta(config, dropout)
 
 
-def _gradients(q: Tensor, kv: Tensor, pos: Tensor, z: Tensor | None, lse: Tensor) -> tuple:
+def gradients(q: Tensor, kv: Tensor, pos: Tensor, z: Tensor | None, lse: Tensor) -> tuple:
     """The gradients :func:`backward` writes, allocated: q's like q; kv's, p's and z's
     ((B, H, M)) in the log-normaliser's type, zeros where added to."""
     B, H, M, _ = q.shape
@@ -281,8 +283,9 @@ def backward(grad_out: Tensor, out: Tensor, lse: Tensor, q: Tensor,
     """Gradients of q (like ``q``), of the keys and values ``kv`` (B, T, 2, H, dh), of p and
     of z ((B, H, M), or None) from that of :func:`forward`'s output, given its output and
     log-normaliser; kv, p and z in the dtype of the log-normaliser."""
-    grads = _gradients(q, kv, pos, z, lse)
-    grid, args, meta = backward_launch(grad_out.contiguous(), out, lse, q, kv, pos, z, windows,
+    grads = gradients(q, kv, pos, z, lse)
+    grad_out = grad_out.contiguous()  # the strides of ``out``
+    grid, args, meta = backward_launch(grad_out, out, lse, q, kv, pos, z, windows,
                                        history, ramp, dropout, seed, grads,
                                        _config("band_backward", q))
     _launch("band_backward", grid, *args, **meta)
@@ -299,7 +302,7 @@ def _load_backward(out: Tensor, lse: Tensor, q: Tensor, kv: Tensor, pos: Tensor,
     if q.device.type != "cuda" or _observer is not None or key in _loaded:
         return
     grid, args, meta = backward_launch(out, out, lse, q, kv, pos, z, windows, history, ramp,
-                                       dropout, seed, _gradients(q, kv, pos, z, lse),
+                                       dropout, seed, gradients(q, kv, pos, z, lse),
                                        _config("band_backward", q))
     _load("band_backward", grid, *args, **meta)
     _loaded.add(key)
