@@ -12,8 +12,8 @@ shared memory and no spill), ``seconds`` (this compile, 0 where cached) and ``ca
 
 Every specialization: forward and backward; fp32 (fp32 products, and TF32 where the run
 allows it), bf16 and fp16; with and without z; with and without dropout; d_head 32, 64 and 128;
-but fp32 heads of 128 features, which the CUDA path does not launch (``adaspan.fused.compiled``:
-such a layer takes the grouped path).
+but what the CUDA path does not launch (``adaspan.fused.compiled``: fp32 heads of 128 features,
+and the backward of fp32 products in fp32 beyond 32; such a layer takes the grouped path).
 The arguments are those ``adaspan.fused`` builds for a launch (``forward_launch``,
 ``backward_launch``), specialised by Triton's own binder as a launch would be; the
 configuration is ``adaspan.fused.config``. ptxas is the Triton wheel's ``ptxas-blackwell``
@@ -80,11 +80,11 @@ def example_launch(kernel: str, dtype: torch.dtype, d_head: int, has_z: bool, dr
 def specializations(archs, kernels, dtypes, d_heads):
     """(arch, kernel, dtype name, precision, has_z, dropout, d_head) of every specialization
     that the CUDA path launches (``adaspan.fused.compiled``)."""
-    for arch, kernel, dtype, d_head, has_z, dropout in itertools.product(
-            archs, kernels, dtypes, d_heads, (False, True), (False, True)):
-        if fused.compiled(getattr(torch, dtype), d_head):
-            for precision in DTYPES[dtype]:
-                yield arch, kernel, dtype, precision, has_z, dropout, d_head
+    for arch, kernel, dtype, precision, d_head, has_z, dropout in itertools.product(
+            archs, kernels, dtypes, ("ieee", "tf32"), d_heads, (False, True), (False, True)):
+        if precision in DTYPES[dtype] and fused.compiled(getattr(torch, dtype), d_head,
+                                                         precision, kernel == "band_backward"):
+            yield arch, kernel, dtype, precision, has_z, dropout, d_head
 
 
 def bound(kernel, args: list, meta: dict, arch: int) -> dict:

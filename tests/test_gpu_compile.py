@@ -59,8 +59,11 @@ def test_every_specialization_fits_the_architecture_and_spills_nothing(arch):
                 for kernel, (dtype, precision), has_z, dropout, d_head in itertools.product(
                     ("band_forward", "band_backward"), products, (False, True), (False, True),
                     (32, 64, 128))
-                # fp32 heads of 128 features take the grouped path (fused.compiled)
-                if not (dtype == "*fp32" and d_head == 128)}
+                # what takes the grouped path on CUDA (fused.compiled): fp32 heads of 128
+                # features; fp32 training with TF32 off beyond 32
+                if not (dtype == "*fp32" and d_head == 128)
+                and not (kernel == "band_backward" and precision == "ieee" and d_head == 64
+                         and dtype == "*fp32")}
     assert seen == expected and len(lines) == len(expected)
     limit = fused.SHARED_MEMORY[arch]
     too_big = [(line["kernel"], line["constexprs"], line["signature"]["Q"], line["shared"],

@@ -195,18 +195,17 @@ def band_backward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, 
     grad_q = tl.zeros((BLOCK, DH), acc_type)
     grad_z = tl.zeros((BLOCK,), acc_type)
     for r0 in range(history + start - w, history + start + BLOCK - 1, BLOCK):
-        r = r0 + tl.arange(0, BLOCK)
-        if DROPOUT:  # drawn first: the draw's registers are free again for the products
-            keep = _keep(SEED, bh, t, r, T, p_drop, BLOCK)
         s, first, m, valid = _scores(q, K, POS, b * skb + h * skh, skt, spd, z, start, r0,
                                      history, w, T, n_pos, dh, scale, ramp, HAS_Z, DH, BLOCK,
                                      PRECISION)
+        r = r0 + tl.arange(0, BLOCK)
         keys = (r[:, None] >= 0) & (r[:, None] < T) & (e[None, :] < dh)
         weights = tl.exp(s - lse[:, None])
         v = _key_rows(V, b * svb + h * svh, r, svt, T, dh, DH)
         grad_weights = tl.dot(go, tl.trans(v), input_precision=PRECISION)
         dropped = weights
         if DROPOUT:
+            keep = _keep(SEED, bh, t, r, T, p_drop, BLOCK)
             dropped = tl.where(keep, weights / (1.0 - p_drop), 0.0)
             grad_weights = tl.where(keep, grad_weights / (1.0 - p_drop), 0.0)
         key_rows = GK + b * sgkb + h * sgkh + r[:, None] * sgkt + e[None, :]

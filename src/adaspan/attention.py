@@ -269,7 +269,9 @@ def _fused_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyV
         kv = kv.unflatten(-1, (2, attn.n_heads, attn.d_head))  # (B, T, 2, H, dh)
         new_cache = advance(past, x, history)
     dropout = attn.dropout if attn.training else 0.0
-    if not q.is_cuda or fused.compiled(q.dtype, attn.d_head):
+    backward = torch.is_grad_enabled() and q.requires_grad
+    if not q.is_cuda or fused.compiled(q.dtype, attn.d_head, fused.precision(q.dtype, "cuda"),
+                                       backward):
         try:
             out = fused.band_attention(q, kv, pos, z, layout.windows, history, attn.ramp,
                                        dropout)

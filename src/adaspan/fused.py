@@ -150,14 +150,19 @@ def config(kernel: str, arch: int, d_head: int) -> Config:
     return Config(16, 8, 1)
 
 
-def compiled(dtype: torch.dtype, d_head: int) -> bool:
-    """Whether the kernels run heads of ``dtype`` and ``d_head`` on a GPU: the
-    specializations that every architecture runs within its resources
-    (``scripts/gpu_compile.py``): bf16 and fp16, and fp32 up to 64 features (beyond, the
-    products over the features spill registers). On the CPU (Triton's interpreter) any run."""
+def compiled(dtype: torch.dtype, d_head: int, precision: str, backward: bool) -> bool:
+    """Whether the kernels run heads of ``dtype`` and ``d_head`` on a GPU, with products in
+    ``precision`` (:func:`precision`), forward and ``backward`` too: the specializations
+    that every architecture runs within its resources (``scripts/gpu_compile.py``): bf16 and
+    fp16; fp32 up to 64 features (beyond, the products over the features spill registers),
+    its backward with fp32 products (TF32 off) up to 32 (at 64 it spills 8 bytes with z and
+    dropout on sm_90 and sm_100). On the CPU (Triton's interpreter) any run."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    return dtype != torch.float32 or _head_dim(d_head) <= 64
+    if dtype != torch.float32:
+        return True
+    limit = 32 if backward and precision == "ieee" else 64
+    return _head_dim(d_head) <= limit
 
 
 def _arch(device: torch.device) -> int:
