@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a machine with a CUDA GPU: the CUDA test module (every variant on the fused
-# kernel against the CPU, fp32 and bf16; the decode step captured in a CUDA graph), then adaspan
+# kernel against the CPU, fp32 and bf16, failing if the kernel falls back to the grouped path
+# for want of shared memory or registers; the decode step captured in a CUDA graph), then adaspan
 # against the authors' code on the GPU (the race and reference configurations, 3 alternating
 # rounds), then generation at batch 1 in fp32 and bf16 (the eager decoder against the graph
 # replayed), then `adaspan bench` of the words-small (adaptive input and softmax) and bpe-small

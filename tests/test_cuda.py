@@ -24,7 +24,9 @@ from adaspan.training.memory import estimate_training_memory
 from adaspan.training.optim import build_optimizer, build_scheduler
 from adaspan.training.train import train_step
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              # the fused kernel must run here, not leave its layers on the grouped path
+              pytest.mark.filterwarnings("error:the fused attention kernel cannot run")]
 CUDA = torch.device("cuda")
 
 

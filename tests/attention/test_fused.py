@@ -5,6 +5,7 @@ interpreter."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ if not torch.cuda.is_available():  # the interpreter is chosen before Triton is 
 from helpers import span_attention, span_variants, tiny
 from reference import gradients_against_reference, reference_attention, run_blocks
 
-from adaspan.attention import fused
-from adaspan.attention.span_attention import use_kernel
+from adaspan.attention import fused, use_kernel
+from adaspan.attention import span_attention as attention
+from adaspan.training.precision import choose
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="needs Triton (adaspan[cuda])")
 SPAN_VARIANTS = span_variants()
@@ -115,3 +117,84 @@ def test_a_variant_with_its_own_attend_keeps_the_grouped_path():
     assert not persistent.layers[0].attn.uses_fused(x)
     with pytest.raises(ValueError, match="kernel must be one of"):
         use_kernel(persistent, "flash")
+
+
+@pytest.mark.parametrize("kind", ["fixed", "adaptive", "dynamic"])
+def test_heads_of_bf16_values_match_the_reference_on_the_same_values(kind):
+    """The kernel on inputs and parameters rounded to bf16 against the naive reference in
+    fp64 of the same values. They are given in fp32: Triton 3.9's interpreter multiplies bf16
+    tiles wrongly (``tl.dot`` of two bf16 tiles gives values of 1e10), so the kernel's own bf16
+    products are compiled (tests/attention/test_gpu_compile.py), not run, here."""
+    attn = fused_attention(kind)
+    with torch.no_grad():
+        for parameter in attn.parameters():
+            parameter.copy_(parameter.bfloat16())
+    x, cache = (torch.randn(2, 20, 16).bfloat16().float(),
+                torch.randn(2, 40, 16).bfloat16().float())
+    y, _ = attn(x, cache)
+    with torch.no_grad():
+        expected = reference_attention(attn.double(), x.double(), cache.double())
+    torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "adaptive", "dynamic"])
+def test_fp16_heads_match_the_reference_on_the_same_values(kind):
+    """The kernel's 16-bit path (the one bf16 takes: products of 16-bit inputs accumulated
+    in fp32, p_d and the weights rounded to 16 bits for them, the output stored in 16 bits)
+    run on fp16 tensors, which the interpreter multiplies correctly, against the naive
+    reference in fp64 of the same values: within fp16's rounding."""
+    attn = fused_attention(kind).half()
+    x, cache = torch.randn(2, 20, 16).half(), torch.randn(2, 40, 16).half()
+    y, _ = attn(x, cache)
+    assert y.dtype == torch.float16
+    with torch.no_grad():
+        expected = reference_attention(attn.double(), x.double(), cache.double())
+    torch.testing.assert_close(y.double(), expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(("job", "products"), [("score", "ieee"), ("train", "tf32"),
+                                               ("generate", "tf32")])
+def test_fp32_products_use_tf32_only_where_the_run_allows_it(job, products):
+    """The precision policy on CUDA (no GPU needed to set it): scoring runs fp32 products in
+    fp32, the other jobs allow TF32; 16-bit products and the CPU's are never TF32."""
+    with choose("float32", torch.device("cuda"), job).applied():
+        assert fused.precision(torch.float32, "cuda") == products
+        assert fused.precision(torch.bfloat16, "cuda") == "ieee"
+        assert fused.precision(torch.float32, "cpu") == "ieee"
+
+
+class _Refused:
+    """A Triton kernel whose launch fails as on a GPU whose blocks have too little shared
+    memory for it."""
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def launch(*args, **meta):
+            raise OutOfResources(180_224, 101_376, "shared memory")
+
+        return launch
+
+
+def test_a_kernel_the_device_cannot_run_leaves_the_layers_on_the_grouped_path(monkeypatch):
+    """One warning naming the device and the numbers; every layer's output (training, then
+    evaluation with a key/value cache) that of the grouped path; no launch tried again."""
+    monkeypatch.setattr(fused._kernels(), "band_forward", _Refused())
+    monkeypatch.setattr(attention, "_warned", set())
+    model, grouped = tiny("adaptive"), tiny("adaptive")
+    use_kernel(model, "fused")
+    use_kernel(grouped, "grouped")
+    tokens = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning) as caught:
+        log_probs = run_blocks(model, tokens, 12)
+        with torch.no_grad():
+            evaluated = run_blocks(model, tokens, 12, keys_values=True)
+    assert len(caught) == 1
+    assert re.search(r"on cpu: out of resource: shared memory, Required: 180224, Hardware "
+                     r"limit: 101376", str(caught[0].message))
+    assert all(layer.attn.kernel == "grouped" for layer in model.layers)
+    log_probs.sum().backward()
+    expected = run_blocks(grouped, tokens, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(log_probs, expected)
+        torch.testing.assert_close(evaluated, run_blocks(grouped, tokens, 12, keys_values=True))

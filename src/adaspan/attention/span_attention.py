@@ -18,6 +18,7 @@ layer has).
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,12 +81,13 @@ class SpanAttention(Attention):
     cache of the same kind: what this layer's heads can still see next block (for dynamic
     spans, which depend on the next tokens, the last S positions).
 
-    ``kernel`` picks how the heads are computed (:data:`KERNELS`; :func:`use_kernel` sets it
-    for a whole model): ``"grouped"``, by group of heads of equal window, each with the band
-    kernel of :mod:`adaspan.attention.band` (the CPU's path); ``"fused"``, all heads in one Triton
+    ``kernel`` picks how the heads are computed (:data:`KERNELS`; :func:`use_kernel` sets it for
+    a whole model): ``"grouped"``, by group of heads of equal window, each with the band kernel
+    of :mod:`adaspan.attention.band` (the CPU's path); ``"fused"``, all heads in one Triton
     kernel of :mod:`adaspan.attention.fused` whatever their windows (CUDA's path; on the CPU,
-    Triton's interpreter runs it, for tests); ``"auto"`` (default): fused on CUDA where Triton is
-    installed, else grouped.
+    Triton's interpreter runs it, for tests); ``"auto"`` (default): fused on CUDA where Triton
+    is installed, else grouped. A fused kernel that the device cannot give its resources sets
+    the layer's ``kernel`` to ``"grouped"``, with one warning per device.
     """
 
     kernel = "auto"
@@ -146,7 +148,7 @@ class SpanAttention(Attention):
         history = self.max_span if self.span.input_dependent else layout.longest
         q = self.q(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
         if self.uses_fused(x):
-            out, new_cache = _fused_heads(self, x, q, cache, pos, z, layout, history)
+            out, new_cache = _fused_heads(self, x, q, cache, pos, z, bounds, layout, history)
         else:
             out, new_cache = _grouped_heads(self, x, q, cache, pos, z, bounds, layout, history)
         return self.o(out.reshape(B, M, -1)), new_cache
@@ -219,11 +221,25 @@ def _grouped_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | Ke
     cache."""
     if isinstance(cache, KeyValueCache):
         keys, values, new_cache = attn._cached_keys_values(x, cache, history)
-
-        def keys_values(group: _Group, start: int) -> tuple[Tensor, Tensor]:
-            return keys[:, group.heads, start:], values[:, group.heads, start:]
+        keys_values = _sliced(keys, values)
     else:
         keys_values, new_cache = attn._projected_keys_values(x, cache, history)
+    return _by_group(attn, q, keys_values, pos, z, bounds, layout, history), new_cache
+
+
+def _sliced(keys: Tensor, values: Tensor):
+    """Each group's keys and values from ``start``: slices of every head's (B, H, T, dh)."""
+
+    def keys_values(group: _Group, start: int) -> tuple[Tensor, Tensor]:
+        return keys[:, group.heads, start:], values[:, group.heads, start:]
+
+    return keys_values
+
+
+def _by_group(attn: SpanAttention, q: Tensor, keys_values, pos: Tensor, z: Tensor | None,
+              bounds: tuple | None, layout: _Layout, history: int) -> Tensor:
+    """The outputs (B, M, H, dh) of every head group over its window, the group's keys and
+    values given by ``keys_values(group, start)``."""
     outputs = []
     for group in layout.groups:
         k, v = keys_values(group, history - group.window)
@@ -235,15 +251,18 @@ def _grouped_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | Ke
     out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
     if layout.order is not None:
         out = out[:, layout.order]
-    return out.transpose(1, 2), new_cache
+    return out.transpose(1, 2)
 
 
 def _fused_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyValueCache,
-                 pos: Tensor, z: Tensor | None, layout: _Layout, history: int
-                 ) -> tuple[Tensor, Tensor | KeyValueCache]:
+                 pos: Tensor, z: Tensor | None, bounds: tuple | None, layout: _Layout,
+                 history: int) -> tuple[Tensor, Tensor | KeyValueCache]:
     """The outputs (B, M, H, dh) of the heads of ``attn`` in one kernel whatever their
     windows, and the new cache. In training, the keys and values of the cached states and of
-    the block are two products with W_k and W_v side by side (no weights sliced per head)."""
+    the block are two products with W_k and W_v side by side (no weights sliced per head).
+    Where the kernels are not compiled for these heads
+    (:func:`adaspan.attention.fused.compiled`), or the device cannot run them (the layer's
+    ``kernel`` then set to ``"grouped"``), the same keys and values by head group."""
     if isinstance(cache, KeyValueCache):
         keys, values, new_cache = attn._cached_keys_values(x, cache, history)
         kv = keys, values
@@ -254,8 +273,29 @@ def _fused_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyV
         kv = kv.unflatten(-1, (2, attn.n_heads, attn.d_head))  # (B, T, 2, H, dh)
         new_cache = advance(past, x, history)
     dropout = attn.dropout if attn.training else 0.0
-    out = fused.band_attention(q, kv, pos, z, layout.windows, history, attn.ramp, dropout)
-    return out, new_cache
+    backward = torch.is_grad_enabled() and q.requires_grad
+    if not q.is_cuda or fused.compiled(q.dtype, attn.d_head, fused.precision(q.dtype, "cuda"),
+                                       backward):
+        try:
+            out = fused.band_attention(q, kv, pos, z, layout.windows, history, attn.ramp,
+                                       dropout)
+            return out, new_cache
+        except fused.ResourcesExceeded as exc:
+            _warn_once(x.device, f"the fused attention kernel cannot run here ({exc}); span "
+                                 "attention takes the grouped path (the band kernels) instead")
+            attn.kernel = "grouped"
+    keys_values = _sliced(*(kv if isinstance(kv, tuple) else fused.keys_values(kv)))
+    return _by_group(attn, q, keys_values, pos, z, bounds, layout, history), new_cache
+
+
+_warned: set[torch.device] = set()  # devices where the fused kernel could not run
+
+
+def _warn_once(device: torch.device, message: str) -> None:
+    """Warn with ``message``, the first time only for this device."""
+    if device not in _warned:
+        _warned.add(device)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def use_kernel(model: nn.Module, kernel: str) -> None:
