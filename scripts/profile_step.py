@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from adaspan.config import ModelConfig
 from adaspan.measure.bench import build_bench_model, train_seconds
+from adaspan.training.precision import choose
 
 RACE = ModelConfig(vocab_size=256, d_model=256, n_heads=4, n_layers=4, d_inner=1024,
                    max_span=1024, ramp=32, dropout=0.0)
@@ -33,11 +34,11 @@ def main() -> None:
     model = build_bench_model(RACE, "93,60,56,38", device)
     if args.compile:  # adaspan >= 0.5
         model.compile_dense()
-    context = torch.autocast("cpu", torch.bfloat16, enabled=args.dtype == "bfloat16")
-    train_seconds(model, 8, 256, 1, device, context, "median")  # warm-up (and compile)
+    precision = choose(args.dtype, device, "train")
+    train_seconds(model, 8, 256, 1, precision, "median")  # warm-up (and compile)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        train_seconds(model, 8, 256, args.steps - 1, device, context, "median")
+        train_seconds(model, 8, 256, args.steps - 1, precision, "median")  # and its warm-up
         elapsed = time.perf_counter() - start
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
