@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TRAIN_MODEL
+from helpers import TRAIN_MODEL, run_quietly, tiny_train_config
 from safetensors import SafetensorError
 
-from adaspan import SpanLM, TrainConfig, train
+from adaspan import SpanLM, TrainConfig
 from adaspan.cli import main
 from adaspan.training import checkpoint, disk
 from adaspan.training.checkpoint import STATE_FILE, WEIGHTS_FILE, RunDir, load_model
@@ -31,20 +31,14 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _options(data: str, **changes) -> TrainConfig:
-    values = dict(data=data, batch_size=4, block_size=32, steps=4, optimizer="adamw", lr=3e-3,
-                  warmup=2, eval_interval=4, eval_chars=64, log_interval=2,
-                  checkpoint_interval=2, device="cpu", tensorboard=False, dtype="float32")
-    return TrainConfig(**{**values, **changes})
-
-
-def _train(run: Path, config: TrainConfig) -> dict:
-    return train(TRAIN_MODEL, config, run, progress=False, log=lambda m: None)
+    """4 steps of the tiny run, saved at steps 2 and 4."""
+    return tiny_train_config(data, **{"steps": 4, "checkpoint_interval": 2, **changes})
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, corpus_file) -> Path:
     run = tmp_path_factory.mktemp("runs") / "run"
-    _train(run, _options(corpus_file))
+    run_quietly(run, _options(corpus_file))
     return run
 
 
@@ -129,7 +123,7 @@ def test_the_lock_is_taken_and_released_around_a_training_call(tmp_path, corpus_
 
     _Loop.run_steps = run_steps
     try:
-        _train(run, _options(corpus_file, steps=2))
+        run_quietly(run, _options(corpus_file, steps=2))
     finally:
         _Loop.run_steps = original
     assert seen == [str(os.getpid())]
@@ -196,7 +190,7 @@ def test_too_little_disk_is_refused_before_training(tmp_path, corpus_file, monke
     monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: _usage(free["bytes"]))
     run = tmp_path / "run"
     with pytest.raises(DiskFullError, match=r"needs [\d.,]+ MB free for its checkpoints"):
-        _train(run, _options(corpus_file))
+        run_quietly(run, _options(corpus_file))
     assert not run.exists()
     model = SpanLM(TRAIN_MODEL)
     free["bytes"] = 2 * checkpoint_bytes(model, _options(corpus_file))
@@ -214,7 +208,7 @@ def test_a_full_disk_in_a_library_s_words_gets_one_line_with_the_safe_step(
         tmp_path, corpus_file, monkeypatch, capsys):
     """safetensors reports ENOSPC as its own error, not an OSError: still the user's."""
     run = tmp_path / "run"
-    _train(run, _options(corpus_file))
+    run_quietly(run, _options(corpus_file))
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: "

@@ -80,3 +80,10 @@ def load_pickled_tensors(path: Path, device: str | torch.device = "cpu") -> obje
     except (RuntimeError, EOFError, AttributeError, ImportError) as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointFileError(f"{path} is not a PyTorch file: {first_line}") from None
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path``, or its nearest ancestor that exists (where a folder not made yet will be)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

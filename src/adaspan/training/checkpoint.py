@@ -55,7 +55,7 @@ from .._version import __version__
 from ..attention.cache import StreamCache
 from ..config import ConfigError, ModelConfig, TrainConfig
 from ..data.corpora import resolve_data
-from ..data.files import TEMP_SUFFIX, atomic_write, load_pickled_tensors
+from ..data.files import TEMP_SUFFIX, atomic_write, existing_ancestor, load_pickled_tensors
 from ..errors import UserError, one_line
 from ..model.lm import SpanLM
 from .distributed import Distributed
@@ -341,9 +341,7 @@ def _check_settings(run: RunDir, model_config: ModelConfig, config: TrainConfig)
 def _check_writable(run_dir: Path) -> None:
     """Create and remove a file in ``run_dir`` (or, for one not made yet, in the folder it
     will be made in): RunDirError if that is not permitted, before training starts."""
-    folder = run_dir
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    folder = existing_ancestor(run_dir)
     if not folder.is_dir():
         return  # a file in the way: making the directory says so
     probe = folder / f".write-test.{uuid.uuid4().hex}{TEMP_SUFFIX}"

@@ -4,9 +4,9 @@ full disk met while training reported with the step that is safe on disk."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 from ..config import TrainConfig
+from ..data.files import existing_ancestor
 from ..errors import UserError
 from ..model.lm import SpanLM
 from .checkpoint import RunDir
@@ -38,7 +38,7 @@ def check_disk_space(run: RunDir, model: SpanLM, config: TrainConfig, resuming: 
     before that is removed; those that ``keep_last`` keeps add theirs."""
     one = checkpoint_bytes(model, config)
     needed = one * ((1 if resuming else 2) + config.keep_last)
-    free = shutil.disk_usage(_existing(run.path)).free
+    free = shutil.disk_usage(existing_ancestor(run.path)).free
     if needed > free:
         raise DiskFullError(
             f"{run} needs {needed / 1e6:,.1f} MB free for its checkpoints ({one / 1e6:,.1f} MB "
@@ -54,10 +54,3 @@ def disk_full_error(run: RunDir, exc: BaseException) -> DiskFullError:
     safe = (f"the checkpoint of step {step:,} is intact: free space, then resume with "
             f"--resume {run}" if step is not None else "no checkpoint was saved yet")
     return DiskFullError(f"no space left on device while training in {run} ({safe})")
-
-
-def _existing(path: Path) -> Path:
-    """``path``, or its nearest ancestor that exists (a new run's folder is made later)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
