@@ -1,50 +1,106 @@
-"""Where a training step's time goes, by operation: ``torch.profiler`` over a few steps of the
-race configuration (4 layers, d 256, 4 heads, FF 1024, S 1024, spans 93/60/56/38, batch
-8 x 256, Adagrad), after two warm-up steps. Prints one JSON line: the step's mean milliseconds
-and the operations taking the most self CPU time (ms per step, share).
+"""Where a training step's time goes, and how near the matrix units' rate it runs:
+``torch.profiler`` over a few steps of ``adaspan train``'s step
+(:func:`adaspan.measure.bench.training_step`: forward, backward, per-tensor clipping, Adagrad)
+on the race configuration (4 layers, d 256, 4 heads, FF 1024, S 1024, spans 93/60/56/38, batch
+8 x 256), after two warm-up steps. Prints one JSON line:
 
-    python scripts/profile_step.py [--steps 5] [--top 15] [--dtype float32] [--compile]
+- ``step_ms``: the step's mean milliseconds (profiled: a little slower than unprofiled);
+- ``ops``: the operators taking the most self CPU time, with ms and calls per step, and share;
+- ``model_gflops``: the step's model FLOPs rate (the paper's FLOPs, 3 x forward, as
+  ``adaspan bench``'s ``train_gflops``);
+- ``matmul``: the rate of the step's own products (every ``mm``/``addmm``/``bmm`` shape it ran,
+  weighted by FLOPs and calls), timed in this process in bfloat16 and float32;
+- ``share``: model_gflops over the bf16 matmul rate (``share_float32``: over the fp32 rate):
+  the fraction of the matrix units' rate on these shapes that the step achieves, a figure
+  comparable between machines.
+
+    python scripts/profile_step.py [--steps 5] [--top 15] [--dtype auto] [--compile]
+        [--batch 8] [--block 256] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from adaspan.config import ModelConfig
-from adaspan.measure.bench import build_bench_model, train_seconds
+from adaspan.measure.bench import build_bench_model, seconds, training_step
+from adaspan.model.analysis import flops_per_char
 from adaspan.training.precision import choose
 
 RACE = ModelConfig(vocab_size=256, d_model=256, n_heads=4, n_layers=4, d_inner=1024,
                    max_span=1024, ramp=32, dropout=0.0)
+PRODUCTS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}  # operand indices
+
+
+def products(events, steps: int) -> dict[tuple[tuple[int, ...], tuple[int, ...]], float]:
+    """The step's matrix products: operand shapes -> calls per step."""
+    found: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+    for event in events:
+        if event.key in PRODUCTS and event.input_shapes:
+            a, b = (tuple(event.input_shapes[i]) for i in PRODUCTS[event.key])
+            found[a, b] = found.get((a, b), 0.0) + event.count / steps
+    return found
+
+
+def matmul_rate(shapes: dict, dtype: torch.dtype, repeats: int) -> float:
+    """GFLOP/s of the products ``shapes`` in ``dtype``, each weighted by its calls per step."""
+    flops = total = 0.0
+    for (a, b), calls in shapes.items():
+        x, y = torch.randn(a, dtype=dtype), torch.randn(b, dtype=dtype)
+        product = 2 * math.prod(a) * b[-1]
+        flops += calls * product
+        total += calls * seconds(lambda x=x, y=y: x @ y, repeats, None)
+    return flops / total / 1e9 if total else float("nan")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5, help="timings of each product")
+    parser.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's)")
     args = parser.parse_args()
-    device = torch.device("cpu")
-    model = build_bench_model(RACE, "93,60,56,38", device)
-    if args.compile:  # adaspan >= 0.5
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = build_bench_model(RACE, "93,60,56,38", torch.device("cpu"))
+    if args.compile:
         model.compile_dense()
-    precision = choose(args.dtype, device, "train")
-    train_seconds(model, 8, 256, 1, precision, "median")  # warm-up (and compile)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    precision = choose(args.dtype, torch.device("cpu"), "train")
+    step = training_step(model, args.batch, args.block, precision)
+    for _ in range(2):  # warm-up (and compile)
+        step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         start = time.perf_counter()
-        train_seconds(model, 8, 256, args.steps - 1, precision, "median")  # and its warm-up
-        elapsed = time.perf_counter() - start
+        for _ in range(args.steps):
+            step()
+        elapsed = (time.perf_counter() - start) / args.steps
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
+    shapes = products(prof.key_averages(group_by_input_shape=True), args.steps)
+    rates = {name: matmul_rate(shapes, dtype, args.repeats)
+             for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))}
+    model_gflops = 2 * 3 * flops_per_char(model, args.block) * args.batch * args.block / elapsed
+    model_gflops /= 1e9
     print(json.dumps({
-        "step_ms": 1e3 * elapsed / args.steps,
+        "precision": precision.describe(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "step_ms": 1e3 * elapsed,
+        "model_gflops": model_gflops,
+        "matmul": {f"{name}_gflops": rate for name, rate in rates.items()}
+        | {"shapes": len(shapes)},
+        "share": model_gflops / rates["bfloat16"],
+        "share_float32": model_gflops / rates["float32"],
         "ops": [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / args.steps,
+                 "calls_per_step": e.count / args.steps,
                  "share": e.self_cpu_time_total / total} for e in events[: args.top]],
     }))
 

@@ -3,6 +3,7 @@ byte-level BPE tokens, each scored in bits per byte on the same validation text.
 
 Usage:
     python scripts/tokenizer_race.py [--seconds 300] [--out runs/tokenizer-race] [--threads N]
+        [--max-chars N]
 
 Runs ``adaspan train`` three times (one after the other, so they do not share the cores), each
 with ``time_budget`` seconds, then ``adaspan evaluate`` on the whole valid split of each run
@@ -47,14 +48,17 @@ def adaspan(*args: str) -> str:
     return done.stdout
 
 
-def race(name: str, out: Path, seconds: float, threads: int | None) -> dict:
-    """Train and score one tokenizer's run: its row of the table."""
+def race(name: str, out: Path, seconds: float, threads: int | None,
+         max_chars: int | None = None) -> dict:
+    """Train and score one tokenizer's run (the first ``max_chars`` tokens of the valid split
+    where given): its row of the table."""
     run = out / name
     summary = json.loads(adaspan("train", "--run-dir", str(run), "--no-progress", *MODEL,
                                  *TRAIN, *TOKENS[name], f"threads={threads}",
                                  f"time_budget={seconds}").strip().splitlines()[-1])
+    limit = ["--max-chars", str(max_chars)] if max_chars else []
     scored = json.loads(adaspan("evaluate", str(run), "--split", "valid", "--no-progress",
-                                "--json").strip().splitlines()[-1])
+                                *limit, "--json").strip().splitlines()[-1])
     split = run_split(run, "valid", progress=False)
     per_token = 1.0 if split.ends is None else float(split.ends[-1]) / len(split.tokens)
     spelled = outside(saved_tokenizer(run), split.tokens, split.ends)[1]
@@ -81,9 +85,12 @@ def main() -> None:
     parser.add_argument("--tokenizers", default="bytes,words,bpe",
                         help=f"comma-separated, of {', '.join(TOKENS)}")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--max-chars", type=int,
+                        help="score only the first tokens of the valid split (default: all)")
     args = parser.parse_args()
     for name in args.tokenizers.split(","):
-        print(json.dumps(race(name, args.out, args.seconds, args.threads)), flush=True)
+        print(json.dumps(race(name, args.out, args.seconds, args.threads, args.max_chars)),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -30,12 +30,15 @@ from dataclasses import replace
 
 import torch
 
+from ..attention.cache import StreamCache
 from ..config import ConfigError, ModelConfig, TrainConfig
 from ..model.analysis import effective_spans, flops_per_char
 from ..model.decode import decoder
 from ..model.lm import SpanLM
 from ..training import precision
 from ..training.memory import training_estimate
+from ..training.optim import build_optimizer, build_scheduler, fused_where_offered
+from ..training.train import train_step
 
 MEMORY_FIELDS = {  # what each memory figure is, shown next to it by `adaspan bench`
     "estimated_step_peak_mb": "one training step, estimated as train does before it starts",
@@ -172,7 +175,7 @@ def _figures(model: SpanLM, config: ModelConfig, spans: str | None, batch_size: 
 def train_seconds(model, batch_size, block_size, steps, precision, statistic) -> float:
     device = precision.device
     model.train()
-    optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-9)  # the paper's optimiser
+    optimizer = fused_where_offered(torch.optim.Adagrad, model.parameters(), lr=1e-9)  # paper's
     cache = [model.empty_cache(batch_size)]
 
     def step() -> None:
@@ -224,6 +227,27 @@ def _generation_seconds(model, block_size, gen_chars, device) -> float:
     for _ in range(gen_chars):
         token = int(step(token).argmax())
     return (time.perf_counter() - start) / gen_chars
+
+
+def training_step(model: SpanLM, batch_size: int, block_size: int,
+                  precision: precision.Precision) -> Callable[[], None]:
+    """One step of ``adaspan train`` on random tokens, the cache carried: forward, backward,
+    the authors' per-tensor clipping and an Adagrad step at a learning rate of 1e-9 (the
+    spans stay put), the other settings ``TrainConfig``'s defaults, in ``precision``."""
+    config = TrainConfig(batch_size=batch_size, block_size=block_size, lr=1e-9, warmup=0,
+                         dtype=precision.dtype)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config)
+    cache = [StreamCache(model.train().empty_cache(batch_size))]
+    device = precision.device
+
+    def step() -> None:
+        tokens = torch.randint(0, model.config.vocab_size, (batch_size, block_size + 1),
+                               device=device)
+        _, cache[0] = train_step(model, optimizer, scheduler, tokens[:, :-1], tokens[:, 1:],
+                                 cache[0], config, precision=precision)
+
+    return step
 
 
 def _peak_memory_mb(device: torch.device) -> float:

@@ -1,0 +1,135 @@
+"""Every script of ``scripts/`` runs at a tiny size, in a subprocess, and prints what its
+docstring says (JSON that parses, with the keys expected). :data:`SCRIPTS` has one entry per
+script; a script without one fails :func:`test_every_script_has_an_entry`, so a new script
+comes with its tiny run. Scripts that need the authors' code read it beside the clone
+(``../shared/anchors``, as in CI), never imported by the tests; shell scripts that need a GPU or
+a browser are checked for syntax (``bash -n``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+ANCHORS = ROOT.parent / "shared" / "anchors"
+TINY_MODEL = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_inner": 32, "max_span": 32,
+              "vocab_size": 256, "dropout": 0.0}
+
+
+def json_lines(out: str) -> list[dict]:
+    """The lines of ``out`` that are JSON objects, parsed."""
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def has_keys(*keys: str) -> Callable[[str, Path], None]:
+    """A check: the last JSON line of the output has ``keys``."""
+
+    def check(out: str, tmp: Path) -> None:
+        last = json_lines(out)[-1]
+        assert set(keys) <= last.keys(), sorted(last)
+
+    return check
+
+
+def every_line_has(*keys: str) -> Callable[[str, Path], None]:
+    def check(out: str, tmp: Path) -> None:
+        lines = json_lines(out)
+        assert lines and all(set(keys) <= line.keys() for line in lines), lines
+
+    return check
+
+
+def wrote(*names: str) -> Callable[[str, Path], None]:
+    def check(out: str, tmp: Path) -> None:
+        assert all((tmp / "out" / name).is_file() for name in names), out
+
+    return check
+
+
+def markdown_table(out: str, tmp: Path) -> None:
+    assert out.count("\n|") >= 3 and "|---" in out, out
+
+
+def tiny_text(tmp: Path) -> str:
+    path = tmp / "tiny.txt"
+    path.write_text("In the beginning was the word, and the word was with the text.\n" * 200)
+    return str(path)
+
+
+# script -> (arguments, given the test's folder; the check of its standard output), or the
+# name of the test module that runs it (it needs what this module does not set up).
+SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None]] | str] = {
+    "against_official.py": (
+        lambda tmp: ["--official", str(ANCHORS / "bench_official.py"), "--configs", "tiny",
+                     "--rounds", "1", "--steps", "1", "--out", str(tmp / "out.json")],
+        has_keys("config", "train_ratio", "eval_ratio", "adaspan_train", "authors_train")),
+    "bench_table.py": (lambda tmp: ["--from", str(ROOT / "docs" / "bench.json")],
+                       markdown_table),
+    "count_launches.py": (
+        lambda tmp: ["--kernel", "grouped", "--layers", "1", "--d", "32", "--heads", "2",
+                     "--span", "64", "--spans", "8,16", "--block", "16"],
+        has_keys("train", "eval")),
+    "flops_table.py": (lambda tmp: [], has_keys("rows", "figure3")),
+    "generation_speed.py": (lambda tmp: ["--chars", "4", "--runs", "1", "--prompt", "8",
+                                         "--paths", "forward,decoder"],
+                            has_keys("chars", "runs", "threads")),
+    "gpu_check.sh": "bash -n",
+    "gpu_compile.py": "tests/attention/test_gpu_compile.py",
+    "make_adaptive_io_fixture.py": (
+        lambda tmp: [str(ANCHORS / "adaptive-span"), "--out", str(tmp / "out")],
+        wrote("cases.json", "tied.safetensors", "tied.npy", "untied.npy")),
+    "make_persistent_fixture.py": (
+        lambda tmp: [str(ANCHORS / "adaptive-span"), "--out", str(tmp / "out")],
+        wrote("cases.json", "adaptive.safetensors", "adaptive.npy", "fixed.npy")),
+    "memory_estimate.py": (lambda tmp: [json.dumps([TINY_MODEL, 2, 16])],
+                           has_keys("estimate_gb", "measured_gb")),
+    "profile_step.py": (lambda tmp: ["--steps", "1", "--top", "3", "--batch", "1", "--block",
+                                     "16", "--repeats", "1"],
+                        has_keys("step_ms", "ops", "model_gflops", "matmul", "share")),
+    "screenshot_report.sh": "bash -n",
+    "span_experiment.py": (lambda tmp: ["--grid", "copy", "--runs", "fixed-32", "--steps", "2",
+                                        "--out", str(tmp / "runs")],
+                           has_keys("grid", "runs")),
+    "step_time.py": (lambda tmp: ["--repeats", "1", "--batch", "1", "--block", "16"],
+                     has_keys("train_ms", "eval_ms", "precision")),
+    "tokenize_speed.py": (lambda tmp: ["--data", tiny_text(tmp), "--cache", str(tmp / "c")],
+                          has_keys("train_bytes", "words", "bpe")),
+    "tokenizer_race.py": (lambda tmp: ["--seconds", "1", "--tokenizers", "bytes", "--threads",
+                                       "1", "--max-chars", "512", "--out", str(tmp / "runs")],
+                          every_line_has("tokenizer", "bits_per_byte", "tokens_per_s")),
+    "tune_chunks.py": (lambda tmp: ["--batch", "1", "--block", "16", "--repeats", "1"],
+                       every_line_has("window", "best")),
+}
+NEEDS_ANCHORS = {"against_official.py", "make_adaptive_io_fixture.py",
+                 "make_persistent_fixture.py"}
+
+
+def test_every_script_has_an_entry():
+    scripts = {path.name for path in (ROOT / "scripts").iterdir() if path.suffix in (".py", ".sh")}
+    assert scripts == SCRIPTS.keys(), "give each script of scripts/ its tiny run in SCRIPTS"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, run in SCRIPTS.items() if isinstance(run, str)))
+def test_a_script_run_elsewhere_is_checked_there(name):
+    how = SCRIPTS[name]
+    if how == "bash -n":
+        subprocess.run(["bash", "-n", str(ROOT / "scripts" / name)], check=True)
+    else:
+        assert name in (ROOT / how).read_text(), f"{how} does not run {name}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, run in SCRIPTS.items()
+                                        if not isinstance(run, str)))
+def test_a_script_runs_at_a_tiny_size(name, tmp_path):
+    if name in NEEDS_ANCHORS and not ANCHORS.is_dir():
+        pytest.skip(f"the authors' code is not beside the clone ({ANCHORS})")
+    arguments, check = SCRIPTS[name]
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *arguments(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check(done.stdout, tmp_path)
