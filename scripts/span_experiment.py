@@ -4,7 +4,8 @@ to the character a target repeats, and its FLOPs per character, as one JSON docu
 
     python scripts/span_experiment.py --grid copy --out runs/spans-copy
     python scripts/span_experiment.py --grid words --out runs/spans-words
-    python scripts/span_experiment.py --grid copy --runs fixed-32 --steps 2 --out /tmp/x  # tiny
+    python scripts/span_experiment.py --grid copy --runs fixed-32 --steps 2 \
+        --data "synthetic:copy?length=20000" --out /tmp/x          # a tiny run: does it run
 
 Finished runs in ``--out`` are reused. ``--figure FILE.png`` draws each run's spans against
 steps.
@@ -121,9 +122,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--figure", type=Path)
     parser.add_argument("--steps", type=int, help="steps of every run (default: the grid's)")
+    parser.add_argument("--data", help="the corpus of every run (default: the grid's)")
     args = parser.parse_args()
     data, steps, grid = GRIDS[args.grid]
-    steps = args.steps or steps
+    data, steps = args.data or data, args.steps or steps
     names = args.runs.split(",") if args.runs else list(grid)
     results = [run_one(args.out, name, data, steps, grid[name], args.threads) for name in names]
     if args.figure:

@@ -1,7 +1,7 @@
 """Measure the chunk size of banded attention: time of one head's attention (forward and
 backward for training, forward for evaluation) for each key window and candidate chunk size.
 
-    python scripts/tune_chunks.py [--batch 8] [--block 256] [--repeats 5]
+    python scripts/tune_chunks.py [--batch 8] [--block 256] [--repeats 5] [--windows 64,128]
 
 Prints one JSON line per window and mode (median milliseconds per chunk size, and the best);
 :data:`adaspan.attention.band.CHUNKS` is regenerated from such a run (the best chunk of each
@@ -45,9 +45,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--windows", default=",".join(map(str, WINDOWS)))
     args = parser.parse_args()
     for mode in ("train", "eval"):
-        for window in WINDOWS:
+        for window in map(int, args.windows.split(",")):
             ms = {c: 1e3 * head_seconds(window, c, mode == "train", args.batch, args.block,
                                    args.repeats) for c in CANDIDATES}
             print(json.dumps({"mode": mode, "window": window, "ms": ms,

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 ANCHORS = ROOT.parent / "shared" / "anchors"
-TINY_MODEL = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_inner": 32, "max_span": 32,
+TINY_MODEL = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_inner": 32, "max_span": 64,
               "vocab_size": 256, "dropout": 0.0}
 
 
@@ -73,7 +73,7 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
     "count_launches.py": (
         lambda tmp: ["--kernel", "grouped", "--layers", "1", "--d", "32", "--heads", "2",
                      "--span", "64", "--spans", "8,16", "--block", "16"],
-        has_keys("train", "eval")),
+        has_keys("train_launches", "eval_launches", "decode_launches")),
     "flops_table.py": (lambda tmp: [], has_keys("rows", "figure3")),
     "generation_speed.py": (lambda tmp: ["--chars", "4", "--runs", "1", "--prompt", "8",
                                          "--paths", "forward,decoder"],
@@ -92,17 +92,21 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
                                      "16", "--repeats", "1"],
                         has_keys("step_ms", "ops", "model_gflops", "matmul", "share")),
     "screenshot_report.sh": "bash -n",
-    "span_experiment.py": (lambda tmp: ["--grid", "copy", "--runs", "fixed-32", "--steps", "2",
-                                        "--out", str(tmp / "runs")],
-                           has_keys("grid", "runs")),
+    "span_experiment.py": (
+        lambda tmp: ["--grid", "copy", "--runs", "fixed-32", "--steps", "2", "--data",
+                     "synthetic:copy?min=64&max=64&segment=16&gap_min=8&gap_max=16&length=20000",
+                     "--out", str(tmp / "runs")],
+        has_keys("data", "steps", "runs")),
     "step_time.py": (lambda tmp: ["--repeats", "1", "--batch", "1", "--block", "16"],
                      has_keys("train_ms", "eval_ms", "precision")),
-    "tokenize_speed.py": (lambda tmp: ["--data", tiny_text(tmp), "--cache", str(tmp / "c")],
+    "tokenize_speed.py": (lambda tmp: ["--data", tiny_text(tmp), "--cache", str(tmp / "c"),
+                                       "--sizes", "words=260,bpe=270"],
                           has_keys("train_bytes", "words", "bpe")),
     "tokenizer_race.py": (lambda tmp: ["--seconds", "1", "--tokenizers", "bytes", "--threads",
                                        "1", "--max-chars", "512", "--out", str(tmp / "runs")],
                           every_line_has("tokenizer", "bits_per_byte", "tokens_per_s")),
-    "tune_chunks.py": (lambda tmp: ["--batch", "1", "--block", "16", "--repeats", "1"],
+    "tune_chunks.py": (lambda tmp: ["--batch", "1", "--block", "16", "--repeats", "1",
+                                    "--windows", "64,128"],
                        every_line_has("window", "best")),
 }
 NEEDS_ANCHORS = {"against_official.py", "make_adaptive_io_fixture.py",

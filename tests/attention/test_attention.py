@@ -162,6 +162,22 @@ def test_banded_attention_gradients_over_several_chunks(z_shape):
         lambda *t: banded_attention(*t[:4], t[4] if len(t) > 4 else None, ramp=8), inputs)
 
 
+@pytest.mark.parametrize("w, c, n", [(40, 64, 2), (128, 64, 4), (5, 4, 3), (1, 8, 3), (9, 3, 5)])
+def test_windows_gradient_sums_each_position_over_its_windows(w, c, n):
+    """The key windows' backward (pieces of ``c`` rows, one operator each) against autograd
+    through ``unfold``: each position's gradient summed over the windows that hold it."""
+    torch.manual_seed(0)
+    length = w + c - 1
+    x = torch.randn(2, 3, w + n * c, 4, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 3, n, length, 4, dtype=torch.float64)
+    windows = band._Windows.apply(x, length, c, n)
+    expected = x.unfold(2, length, c)[:, :, :n].transpose(-1, -2)
+    assert torch.equal(windows, expected)
+    (fast,) = torch.autograd.grad(windows, x, grad)
+    (slow,) = torch.autograd.grad(expected, x, grad)
+    torch.testing.assert_close(fast, slow, rtol=1e-12, atol=1e-12)
+
+
 def test_mask_is_added_only_where_it_is_below_one():
     z = torch.tensor([[5.0], [12.5], [30.0]])
     width = ramp_columns(40, z.min().item())

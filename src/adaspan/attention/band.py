@@ -176,8 +176,11 @@ class _BandSoftmax(torch.autograd.Function):
 
 class _Windows(torch.autograd.Function):
     """``n`` overlapping windows of ``length`` positions, ``step`` apart, of ``x`` (B, H, T, dh),
-    as a view (B, H, n, length, dh). The backward adds each window's gradient back with ``n``
-    slice additions of contiguous rows, cheaper than the generic unfold backward."""
+    as a view (B, H, n, length, dh). The backward sums each position's gradient over the
+    windows holding it by pieces of ``step`` rows: rows j*step .. (j+1)*step - 1 of every
+    window fall on disjoint positions (window i's at (i + j) step), so each piece is one
+    operator over all the windows, a copy for j = 0 and an addition for each later j:
+    ceil(length / step) operators, not one per window, and no zero fill of those rows."""
 
     @staticmethod
     def forward(ctx, x: Tensor, length: int, step: int, n: int) -> Tensor:
@@ -187,10 +190,25 @@ class _Windows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         length, step, n = ctx.windows
-        dx = grad.new_zeros(ctx.shape)
-        for i in range(n):
-            dx[:, :, i * step : i * step + length] += grad[:, :, i]
+        dx = grad.new_empty(ctx.shape)
+        dx[:, :, n * step :].zero_()
+        for start in range(0, length, step):
+            rows = min(step, length - start)
+            piece, part = _pieces(dx, start, step, n, rows), grad[:, :, :, start : start + rows]
+            if start:
+                piece.add_(part)
+            else:
+                piece.copy_(part)
         return dx, None, None, None
+
+
+def _pieces(x: Tensor, start: int, step: int, n: int, rows: int) -> Tensor:
+    """The view (B, H, n, rows, dh) of ``x`` (B, H, T, dh) whose piece i is positions
+    start + i * step .. + rows - 1."""
+    B, H, _, dh = x.shape
+    s = x.stride()
+    return x.as_strided((B, H, n, rows, dh), (s[0], s[1], step * s[2], s[2], s[3]),
+                        x.storage_offset() + start * s[2])
 
 
 def log_soft_mask(distance: Tensor, z: Tensor, ramp: int) -> Tensor:
