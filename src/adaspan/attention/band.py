@@ -177,10 +177,12 @@ class _BandSoftmax(torch.autograd.Function):
 class _Windows(torch.autograd.Function):
     """``n`` overlapping windows of ``length`` positions, ``step`` apart, of ``x`` (B, H, T, dh),
     as a view (B, H, n, length, dh). The backward sums each position's gradient over the
-    windows holding it by pieces of ``step`` rows: rows j*step .. (j+1)*step - 1 of every
-    window fall on disjoint positions (window i's at (i + j) step), so each piece is one
-    operator over all the windows, a copy for j = 0 and an addition for each later j:
-    ceil(length / step) operators, not one per window, and no zero fill of those rows."""
+    windows holding it, in whichever of two ways takes fewer operators: window by window (a
+    slice addition each), or by pieces of ``step`` rows: rows j*step .. (j+1)*step - 1 of
+    every window fall on disjoint positions (window i's at (i + j) step), so each piece is one
+    operator over all the windows, a copy for j = 0 (no zero fill under it) and an addition
+    for each later j: ceil(length / step) operators, fewer when windows overlap less than
+    ``n`` deep."""
 
     @staticmethod
     def forward(ctx, x: Tensor, length: int, step: int, n: int) -> Tensor:
@@ -190,6 +192,11 @@ class _Windows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         length, step, n = ctx.windows
+        if -(-length // step) >= n:
+            dx = grad.new_zeros(ctx.shape)
+            for i in range(n):
+                dx[:, :, i * step : i * step + length] += grad[:, :, i]
+            return dx, None, None, None
         dx = grad.new_empty(ctx.shape)
         dx[:, :, n * step :].zero_()
         for start in range(0, length, step):
