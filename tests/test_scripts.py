@@ -51,6 +51,18 @@ def wrote(*names: str) -> Callable[[str, Path], None]:
     return check
 
 
+def profile(out: str, tmp: Path) -> None:
+    """The operators by self time (shares decreasing, summing to at most 1), the model's and
+    the products' rates and their ratio."""
+    result = json_lines(out)[-1]
+    shares = [op["share"] for op in result["ops"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1
+    assert all(op["calls_per_step"] > 0 for op in result["ops"])
+    rates = result["matmul"]
+    assert rates["shapes"] > 0 and rates["bfloat16_gflops"] > 0 and rates["float32_gflops"] > 0
+    assert result["share"] == pytest.approx(result["model_gflops"] / rates["bfloat16_gflops"])
+
+
 def markdown_table(out: str, tmp: Path) -> None:
     assert out.count("\n|") >= 3 and "|---" in out, out
 
@@ -90,7 +102,7 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
                            has_keys("estimate_gb", "measured_gb")),
     "profile_step.py": (lambda tmp: ["--steps", "1", "--top", "3", "--batch", "1", "--block",
                                      "16", "--repeats", "1"],
-                        has_keys("step_ms", "ops", "model_gflops", "matmul", "share")),
+                        profile),
     "screenshot_report.sh": "bash -n",
     "span_experiment.py": (
         lambda tmp: ["--grid", "copy", "--runs", "fixed-32", "--steps", "2", "--data",

@@ -39,7 +39,12 @@ from adaspan.training.checkpoint import (
     load_training_state,
 )
 from adaspan.training.evaluate import evaluate
-from adaspan.training.optim import build_optimizer, build_scheduler, lr_factor
+from adaspan.training.optim import (
+    build_optimizer,
+    build_scheduler,
+    fused_where_offered,
+    lr_factor,
+)
 from adaspan.training.train import Diverged, RunComplete, train, train_step
 from adaspan.training.watch import span_warnings
 
@@ -293,6 +298,24 @@ def test_per_tensor_clipping_equals_a_hand_computed_adagrad_update():
     assert clipped > 0  # the threshold is active for some tensors
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adamw"])
+def test_the_optimiser_is_fused_where_torch_offers_it(optimizer):
+    """One fused kernel steps every parameter (torch >= 2.4 on the CPU); where the optimiser
+    refuses ``fused``, the per-tensor loop, with the same options."""
+    model = SpanLM(TRAIN_MODEL)
+    built = build_optimizer(model, TrainConfig(optimizer=optimizer, lr=0.5))
+    assert built.defaults["fused"] is True and built.defaults["lr"] == 0.5
+
+    class Unfused(torch.optim.Adagrad):
+        def __init__(self, params, fused=None, **options):
+            if fused:
+                raise RuntimeError("fused=True is not supported here")
+            super().__init__(params, **options)
+
+    fallback = fused_where_offered(Unfused, model.parameters(), lr=0.25)
+    assert not fallback.defaults["fused"] and fallback.defaults["lr"] == 0.25
 
 
 def test_global_clipping_bounds_the_joint_norm_of_the_step():
