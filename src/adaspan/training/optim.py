@@ -54,8 +54,9 @@ def step_with_tensor_clip(optimizer: torch.optim.Optimizer, clip: float) -> None
     step equals scaling that tensor's learning rate for optimisers whose update is proportional
     to it (Adagrad, AdamW, SGD): p <- p_old + s (p_stepped - p_old). Computed on the device
     (every tensor's step is scaled, by 1 where it is not clipped): nothing waits for it.
-    The norms, the copies and the interpolations are one operator each over all the tensors
-    (``torch._foreach_*``), not one per tensor.
+    The norms, the copies and the interpolations are each one call for all the tensors
+    (``torch._foreach_*``: one kernel per call on CUDA; on the CPU torch loops over the
+    tensors in C++, without a Python step per tensor).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]
               if p.grad is not None]
@@ -65,7 +66,7 @@ def step_with_tensor_clip(optimizer: torch.optim.Optimizer, clip: float) -> None
     norms = torch.stack(torch._foreach_norm([p.grad.float() for p in params]))
     keep = (1.0 - (clip / (norms + 1e-10)).clamp(max=1.0)).unbind()  # 1 - s, per tensor
     with torch.no_grad():
-        before = torch._foreach_mul(params, 1.0)  # an exact copy of every tensor, one operator
+        before = torch._foreach_mul(params, 1.0)  # an exact copy of every tensor
     optimizer.step()
     with torch.no_grad():
         weights = [w.to(p.dtype) for w, p in zip(keep, params, strict=True)]
