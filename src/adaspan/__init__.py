@@ -18,13 +18,13 @@ from .attention.baselines import FactorizedAttention, VanillaAttention, XLAttent
 from .attention.functional import key_window, span_attention
 from .attention.registry import ATTENTIONS, register_attention
 from .attention.span import (
-                             AdaptiveSpan,
-                             DynamicSpan,
-                             FixedSpan,
-                             Span,
-                             clamp_spans,
-                             soft_mask,
-                             span_loss,
+    AdaptiveSpan,
+    DynamicSpan,
+    FixedSpan,
+    Span,
+    clamp_spans,
+    soft_mask,
+    span_loss,
 )
 from .attention.span_attention import Attention, SpanAttention
 from .config import ModelConfig, TrainConfig
