@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import reference_span_attention
 
 from adaspan.attention import functional
 from adaspan.attention.functional import key_window, span_attention
-from tests.reference import reference_span_attention
 
 S, R, D = 16, 4.0, 8
 

@@ -50,6 +50,7 @@ class Attention(nn.Module):
     shared_positions = False
     d_model: int
     d_head: int
+    kv_width: int | None = None  # width of the key and value projections (None: d_model)
 
     def reach(self, block_size: int) -> list[float]:
         """Effective span of each head with blocks of ``block_size``: the farthest distance
@@ -63,10 +64,12 @@ class Attention(nn.Module):
 
     def flops_per_char(self, block_size: int) -> float:
         """Multiply-adds per character (the paper's FLOPS convention, Tables 1-2): the four
-        d x d projections, and per key a head attends to one product with the query,
-        q . (k + p), and one with the value: ``2 d_head`` per key."""
+        projections (d x d; those of keys and values d x ``kv_width``), and per key a
+        head attends to one product with the query, q . (k + p), and one with the value:
+        ``2 d_head`` per key."""
         keys = sum(self.keys_per_query(block_size))
-        return 4 * self.d_model**2 + 2 * self.d_head * keys
+        projections = 2 * self.d_model * (self.d_model + (self.kv_width or self.d_model))
+        return projections + 2 * self.d_head * keys
 
     def empty_cache(self, batch_size: int, keys_values: bool = False) -> Tensor | KeyValueCache:
         """Cache of a stream's start: no history (read as zero hidden states). This variant
@@ -100,7 +103,7 @@ class SpanAttention(Attention):
         self.bucket, self.truncation, self.dropout = (config.span_bucket, config.truncation,
                                                       config.dropout)
         self.kv_heads = config.key_value_heads  # each read by n_heads / kv_heads query heads
-        d_kv = self.kv_heads * self.d_head
+        self.kv_width = d_kv = self.kv_heads * self.d_head
         self.q, self.k, self.v, self.o = (nn.Linear(d, n, bias=False) for n in (d, d_kv, d_kv, d))
         for proj in (self.q, self.k, self.v, self.o):  # paper: U(-1/sqrt(d), 1/sqrt(d))
             nn.init.uniform_(proj.weight, -(d**-0.5), d**-0.5)
