@@ -247,7 +247,8 @@ def _functional_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor |
                       ) -> tuple[Tensor, Tensor | KeyValueCache]:
     """The outputs (B, M, H, dh) of rotary or grouped-query heads with
     :func:`~adaspan.attention.functional.grouped_span_attention` (keys at distances 0 .. w - 1,
-    each head group over its window), and the new cache. The keys of the cached states are
+    each head over its window: in the fused kernel where :meth:`SpanAttention.uses_fused`,
+    else by head group), and the new cache. The keys of the cached states are
     recomputed, and rotary positions count from the first of the T = history + M keys: the
     same relative positions whatever the block."""
     if isinstance(cache, KeyValueCache):  # keys kept unrotated, turned at every block
@@ -265,7 +266,7 @@ def _functional_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor |
               for g in layout.groups]
     dropout = attn.dropout if attn.training else 0.0
     out = grouped_span_attention(q, keys, values, z, groups, attn.ramp, dropout=dropout,
-                                 training=attn.training)
+                                 training=attn.training, kernel=attn.uses_fused(x))
     return out.transpose(1, 2), new_cache
 
 
