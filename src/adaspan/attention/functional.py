@@ -97,7 +97,8 @@ def _fused_heads(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,
     """Every head in one fused kernel, each over its window (the kernel's distance d is
     x + 1, its z is z + 1, its history T - M + 1; without ``pos`` its table is zeros); None
     where the kernel is not compiled for these heads or the device cannot run it."""
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    backward = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, z, pos))
     if q.is_cuda and not fused.compiled(q.dtype, q.shape[-1],
                                         fused.precision(q.dtype, "cuda"), backward):
         return None
