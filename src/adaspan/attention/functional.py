@@ -175,9 +175,17 @@ def _groups(z: Tensor | None, H: int, max_span: int, ramp: float, T: int,
         least, greatest = torch.stack([z.amin(dim=(0, 2)), z.amax(dim=(0, 2))]).tolist()
     else:
         least, greatest = [z_min] * H, z.amax(dim=(0, 2)).tolist()
+    return head_groups(least, greatest, max_span, ramp, T)
+
+
+def head_groups(least: list[float], greatest: list[float], max_span: int, ramp: float,
+                keys: int, bucket: int = 1) -> list[tuple[int, list[int], float]]:
+    """The groups of :func:`grouped_span_attention` from each head's least and greatest z on
+    the host: heads of equal key window ``key_window(greatest z, S, R, bucket)``, capped at
+    ``keys`` (T), as (window, heads, least z of the group)."""
     members: dict[int, list[int]] = {}
     for head, z_max in enumerate(greatest):
-        members.setdefault(min(key_window(z_max, max_span, ramp), T), []).append(head)
+        members.setdefault(min(key_window(z_max, max_span, ramp, bucket), keys), []).append(head)
     return [(w, heads, min(least[h] for h in heads)) for w, heads in members.items()]
 
 
