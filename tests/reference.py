@@ -101,3 +101,42 @@ def gradients_against_reference(attn, x, cache) -> list[dict]:
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], atol=1e-8, rtol=1e-6, msg=name)
     return grads
+
+
+def reference_hf_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                           scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """A ``transformers`` attention function computing eqs. 1-3 with the soft mask one query and
+    head at a time, from the span parameters of ``module.adaptive_span``: query i (the last M
+    of T positions) reads key j at distance x = T - M + i - j, 0 <= x < S, with weight
+    m_z(x) exp(s) / sum m_z exp(s), z = S z'. Returns (B, M, H, d), no weights."""
+    span = module.adaptive_span
+    S, R = span.max_span, span.ramp
+    z = (S * span.z_frac.clamp(0, 1)).expand(span.n_heads)
+    _, H, M, d = query.shape
+    T, group = key.shape[2], H // key.shape[1]
+    scale = d**-0.5 if scaling is None else scaling
+    out = torch.zeros_like(query)
+    for i in range(M):
+        t = T - M + i
+        x = t - torch.arange(t + 1, dtype=query.dtype)
+        for h in range(H):
+            k, v = key[:, h // group, : t + 1], value[:, h // group, : t + 1]
+            s = (k @ query[:, h, i, :, None]).squeeze(-1) * scale  # (B, t + 1)
+            m = ((R + z[h] - x) / R).clamp(0, 1) * (x < S)
+            e = m * torch.exp(s - s.max(dim=-1, keepdim=True).values)
+            out[:, h, i] = ((e / e.sum(dim=-1, keepdim=True))[:, None] @ v).squeeze(1)
+    return out.transpose(1, 2), None
+
+
+def reference_hf_logits(model, ids: Tensor) -> Tensor:
+    """Logits of a ``transformers`` model with spans attached, its attention computed by
+    :func:`reference_hf_attention`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("adaspan_reference", reference_hf_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("adaspan_reference")
+    try:
+        return model(ids).logits
+    finally:
+        model.set_attn_implementation(previous)
