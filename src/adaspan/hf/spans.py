@@ -115,8 +115,10 @@ def save_spans(model: nn.Module, directory: str | Path) -> None:
 
 
 def save_model(model: nn.Module, directory: str | Path) -> None:
-    """``model.save_pretrained(directory)`` and its spans (:func:`save_spans`)."""
-    model.save_pretrained(directory)
+    """``model.save_pretrained(directory)`` without the spans, then the spans
+    (:func:`save_spans`)."""
+    weights = {k: v for k, v in model.state_dict().items() if f".{NAME}." not in k}
+    model.save_pretrained(directory, state_dict=weights)
     save_spans(model, directory)
 
 
