@@ -105,27 +105,13 @@ def gradients_against_reference(attn, x, cache) -> list[dict]:
 
 def reference_hf_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
-    """A ``transformers`` attention function computing eqs. 1-3 with the soft mask one query and
-    head at a time, from the span parameters of ``module.adaptive_span``: query i (the last M
-    of T positions) reads key j at distance x = T - M + i - j, 0 <= x < S, with weight
-    m_z(x) exp(s) / sum m_z exp(s), z = S z'. Returns (B, M, H, d), no weights."""
+    """A ``transformers`` attention function: :func:`reference_span_attention` with z = S z'
+    read from the parameters of ``module.adaptive_span``. Returns (B, M, H, d), no weights."""
     span = module.adaptive_span
-    S, R = span.max_span, span.ramp
-    z = (S * span.z_frac.clamp(0, 1)).expand(span.n_heads)
-    _, H, M, d = query.shape
-    T, group = key.shape[2], H // key.shape[1]
-    scale = d**-0.5 if scaling is None else scaling
-    out = torch.zeros_like(query)
-    for i in range(M):
-        t = T - M + i
-        x = t - torch.arange(t + 1, dtype=query.dtype)
-        for h in range(H):
-            k, v = key[:, h // group, : t + 1], value[:, h // group, : t + 1]
-            s = (k @ query[:, h, i, :, None]).squeeze(-1) * scale  # (B, t + 1)
-            m = ((R + z[h] - x) / R).clamp(0, 1) * (x < S)
-            e = m * torch.exp(s - s.max(dim=-1, keepdim=True).values)
-            out[:, h, i] = ((e / e.sum(dim=-1, keepdim=True))[:, None] @ v).squeeze(1)
-    return out.transpose(1, 2), None
+    z = (span.max_span * span.z_frac.clamp(0, 1)).expand(span.n_heads).view(1, -1, 1)
+    out = reference_span_attention(query, key, value, z, span.max_span, span.ramp,
+                                   scale=scaling)
+    return out.to(query.dtype).transpose(1, 2), None
 
 
 def reference_hf_logits(model, ids: Tensor) -> Tensor:
@@ -140,3 +126,26 @@ def reference_hf_logits(model, ids: Tensor) -> Tensor:
         return model(ids).logits
     finally:
         model.set_attn_implementation(previous)
+
+
+def reference_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, max_span: int,
+                             ramp: float, pos: Tensor | None = None,
+                             scale: float | None = None) -> Tensor:
+    """``span_attention`` over every key at once, in float64: the key heads repeated for the
+    query heads (``repeat_kv``), scores of all M x T pairs, s = scale q . (k_j + p_x) at distance
+    x = T - M + i - j, weights m_z(x) exp(s) / sum m_z exp(s) over 0 <= x < S (eq. 2)."""
+    B, Hq, M, d = q.shape
+    T, G = k.shape[2], Hq // k.shape[1]
+    k, v = (t.repeat_interleave(G, dim=1).double() for t in (k, v))
+    q = q.double()
+    scale = d**-0.5 if scale is None else scale
+    x = (T - M + torch.arange(M))[:, None] - torch.arange(T)[None, :]  # (M, T) distances
+    visible = (x >= 0) & (x < max_span)
+    scores = scale * q @ k.transpose(-1, -2)
+    if pos is not None:
+        p = pos.double()[x.clamp(0, max_span - 1)]  # (M, T, d): p_x of every pair
+        scores = scores + scale * torch.einsum("bhmd,mtd->bhmt", q, p)
+    zz = torch.full((B, Hq, M), math.inf) if z is None else z.double().expand(B, Hq, M)
+    mask = ((ramp + zz[..., None] - x) / ramp).clamp(0, 1) * visible  # m_z(x), 0 if hidden
+    weights = mask * torch.exp(scores - scores.amax(-1, keepdim=True))
+    return weights / weights.sum(-1, keepdim=True) @ v

@@ -1,5 +1,6 @@
-"""Learned spans in a Hugging Face causal LM: attached (``add_spans``), penalised
-(``span_loss``), kept in their domain (``clamp_spans``), saved and loaded with the model.
+"""Learned spans in a Hugging Face causal LM: attached (``add_spans``), saved and loaded with
+the model (penalised and kept in [0, 1] by ``attention.span``'s ``span_loss`` and
+``clamp_spans``, which ``adaspan.hf`` exports).
 
 ``add_spans`` finds the attention modules by one probing forward of two tokens through the
 ``adaptive_span`` attention function: the modules it is called for are the layers, in order; a
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import Tensor, nn
+from torch import nn
 
 from ..attention.span import AdaptiveSpan
 from ..errors import ConfigError, UserError, one_line
@@ -80,19 +81,6 @@ def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, ini
     model.config.adaptive_span = {"max_span": max_span, "ramp": ramp, "per_layer": per_layer}
     model.set_attn_implementation(NAME)
     return model
-
-
-def span_loss(model: nn.Module, coef: float) -> Tensor:
-    """The span penalty lambda / M * sum_i z_i over all heads of all layers (paper §2.2, M
-    the heads of a layer, as ``SpanLM.span_loss``)."""
-    spans = _spans_of(model)
-    return coef / spans[0].n_heads * torch.stack([s.z_penalty() for s in spans]).sum()
-
-
-def clamp_spans(model: nn.Module) -> None:
-    """Keep z' in [0, 1]: call after every optimiser step."""
-    for span in _spans_of(model):
-        span.clamp_()
 
 
 def _spans_of(model: nn.Module) -> list[AdaptiveSpan]:
