@@ -1,7 +1,11 @@
 """SpanCache: greedy generation equals the full cache's, with at most the window of keys held
 per layer; absolute positions kept after truncation."""
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +65,20 @@ def test_the_cache_holds_no_more_than_the_window_however_long_the_text():
 def test_windows_are_the_longest_span_of_each_layer():
     model = add_spans(tiny_hf("gpt2"), max_span=64, ramp=8, init=0.1)
     assert windows(model) == [math.ceil(6.4 + 8)] * 2
+
+
+def test_the_speed_script_prints_bytes_and_speeds_of_both_caches():
+    """``scripts/hf_cache_speed.py`` at a tiny size: one JSON line per context, the span cache
+    holding R - 1 = 31 keys per layer (spans below R) while the full cache holds them all."""
+    script = Path(__file__).parents[2] / "scripts" / "hf_cache_speed.py"
+    done = subprocess.run([sys.executable, str(script), "--contexts", "40,80", "--new", "3",
+                           "--runs", "1", "--spans", "8,16", "--layers", "2", "--width", "32",
+                           "--heads", "2", "--kv-heads", "1"],
+                          capture_output=True, text=True, check=True, timeout=300)
+    lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert [line["context"] for line in lines] == [40, 80]
+    per_key = 2 * 1 * 16 * 4  # keys and values of one head of 16, fp32
+    for line in lines:
+        assert line["span_kv_bytes"] == 2 * 31 * per_key
+        assert line["full_kv_bytes"] == 2 * (line["context"] + 3) * per_key
+        assert line["span_decode_tokens_per_s"] > 0 and line["full_decode_tokens_per_s"] > 0
