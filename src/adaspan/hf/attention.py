@@ -38,6 +38,14 @@ def span_modules(model: nn.Module) -> list[AdaptiveSpan]:
     return [span for module in model.modules() if (span := span_of(module)) is not None]
 
 
+def attached_spans(model: nn.Module) -> list[AdaptiveSpan]:
+    """:func:`span_modules`, refusing a model that has none."""
+    spans = span_modules(model)
+    if not spans:
+        raise UserError("the model has no spans: attach them with adaspan.hf.add_spans(model)")
+    return spans
+
+
 def adaptive_span_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                             attention_mask: Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:

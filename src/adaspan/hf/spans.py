@@ -20,7 +20,7 @@ from torch import nn
 
 from ..attention.span import AdaptiveSpan
 from ..errors import ConfigError, UserError, one_line
-from .attention import NAME, probing, span_modules
+from .attention import NAME, attached_spans, probing, span_modules
 
 SPANS_FILE = "adaptive_spans.safetensors"  # z' of every layer, one tensor per layer
 SETTINGS_FILE = "adaptive_spans.json"  # max_span, ramp, per_layer; the spans, for reading
@@ -83,17 +83,10 @@ def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, ini
     return model
 
 
-def _spans_of(model: nn.Module) -> list[AdaptiveSpan]:
-    spans = span_modules(model)
-    if not spans:
-        raise UserError("the model has no spans: attach them with adaspan.hf.add_spans(model)")
-    return spans
-
-
 def save_spans(model: nn.Module, directory: str | Path) -> None:
     """Write the spans next to ``model.save_pretrained(directory)``: z' of every layer
     (safetensors) and the span settings with each head's span min(S, z + R) (JSON)."""
-    spans, directory = _spans_of(model), Path(directory)
+    spans, directory = attached_spans(model), Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file({f"layers.{i}.z_frac": s.z_frac.detach().float().cpu().contiguous()
                for i, s in enumerate(spans)}, str(directory / SPANS_FILE))
@@ -115,10 +108,11 @@ def load_spans(model: nn.Module, directory: str | Path) -> nn.Module:
     directory = Path(directory)
     try:
         settings = json.loads((directory / SETTINGS_FILE).read_text())
+        options = {key: settings[key] for key in ("max_span", "ramp", "per_layer")}
         tensors = load_file(str(directory / SPANS_FILE))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"no spans in {directory}: {one_line(exc)}") from None
-    add_spans(model, settings["max_span"], settings["ramp"], per_layer=settings["per_layer"])
+    add_spans(model, **options)
     spans = span_modules(model)
     if len(tensors) != len(spans):
         raise UserError(f"{directory} holds the spans of {len(tensors)} layers, the model has "
