@@ -111,7 +111,7 @@ def test_a_model_outside_the_attention_interface_is_refused():
 
 
 @pytest.mark.parametrize("options", [dict(max_span=97), dict(max_span=0), dict(ramp=0),
-                                     dict(init=1.5)])
+                                     dict(init=1.5), dict(init="full")])
 def test_bad_options_are_one_line_errors(options):
     with pytest.raises(ConfigError) as error:
         add_spans(tiny_hf("gpt2", positions=96), **options)

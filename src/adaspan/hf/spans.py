@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..attention.span import AdaptiveSpan
-from ..errors import ConfigError, UserError, one_line
+from ..errors import ConfigError, UserError, one_line, require
 from .attention import NAME, attached_spans, probing, span_modules
 
 SPANS_FILE = "adaptive_spans.safetensors"  # z' of every layer, one tensor per layer
@@ -55,8 +55,7 @@ def _check_max_span(model: nn.Module, max_span: int | None, windows: list[int]) 
         if not limits:
             raise ConfigError("the model's config gives no max_position_embeddings: give max_span")
         return min(limits)
-    if not isinstance(max_span, int) or max_span < 1:
-        raise ConfigError(f"max_span must be a positive integer, got {max_span!r}")
+    require("max_span", max_span, lambda n: isinstance(n, int) and n >= 1, "a positive integer")
     if limits and max_span > min(limits):
         raise ConfigError(f"max_span={max_span} is longer than the model's positions or "
                           f"sliding window ({min(limits)})")
@@ -67,10 +66,8 @@ def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, ini
               per_layer: bool = False) -> nn.Module:
     """Attach an ``AdaptiveSpan`` (S = ``max_span``, ramp R, z' = ``init``) to every attention
     module of ``model`` and switch it to the ``adaptive_span`` attention; returns ``model``."""
-    if not isinstance(ramp, int) or ramp < 1:
-        raise ConfigError(f"ramp must be a positive integer, got {ramp!r}")
-    if not 0.0 <= init <= 1.0:
-        raise ConfigError(f"init (z' = z / max_span) must lie in [0, 1], got {init!r}")
+    require("ramp", ramp, lambda r: isinstance(r, int) and r >= 1, "a positive integer")
+    require("init", init, lambda z: 0.0 <= z <= 1.0, "z' = z / max_span in [0, 1]")
     modules, windows = _attention_modules(model)
     max_span = _check_max_span(model, max_span, windows)
     n_heads = model.config.num_attention_heads
