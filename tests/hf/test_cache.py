@@ -15,6 +15,7 @@ import torch
 from helpers import HF_KINDS, tiny_hf
 from transformers import DynamicCache
 
+from adaspan.errors import UserError
 from adaspan.hf import SpanCache, add_spans, kv_bytes, span_modules, windows
 
 PROMPT = torch.randint(0, 64, (1, 50), generator=torch.Generator().manual_seed(3))
@@ -60,6 +61,12 @@ def test_the_cache_holds_no_more_than_the_window_however_long_the_text():
     model.generate(PROMPT, max_new_tokens=100, min_new_tokens=100, do_sample=False, cache=cache)
     assert cache.get_seq_length() == 149
     assert kv_bytes(cache) == 2 * 2 * 3 * 2 * 8 * 4  # layers, keys and values, R - 1 keys
+
+
+def test_a_static_cache_is_refused():
+    model = add_spans(tiny_hf("llama"))
+    with pytest.raises(UserError, match="static cache"):
+        model.generate(PROMPT, max_new_tokens=2, cache_implementation="static")
 
 
 def test_windows_are_the_longest_span_of_each_layer():
