@@ -43,6 +43,9 @@ def _attention_modules(model: nn.Module) -> tuple[list[nn.Module], list[int]]:
     if not found:
         raise ConfigError(f"{type(model).__name__}'s attention never called the "
                           "AttentionInterface: spans cannot be attached")
+    if not all(getattr(m, "is_causal", True) for m, _ in found):
+        raise ConfigError(f"{type(model).__name__} attends to later tokens: spans are for "
+                          "causal language models")
     return [m for m, _ in found], [w for _, w in found if w is not None]
 
 
