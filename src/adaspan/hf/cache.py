@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
+from ..errors import UserError
 from .attention import attached_spans
 
 
@@ -74,7 +75,8 @@ class SpanLayer(DynamicSlidingWindowLayer):
         return joined, torch.cat(kept, dim=1)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("SpanCache keeps no positions to roll back to")
+        raise UserError("SpanCache keeps no positions to roll back to (assisted decoding): "
+                        "use a DynamicCache")
 
 
 class SpanCache(DynamicCache):
