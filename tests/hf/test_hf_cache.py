@@ -74,10 +74,12 @@ def test_beam_search_reorders_the_kept_positions():
     assert torch.equal(model.generate(PROMPT, cache=SpanCache(model), **options), expected)
 
 
-def test_a_static_cache_is_refused():
+def test_a_static_cache_and_rolling_back_are_refused():
     model = add_spans(tiny_hf("llama"))
     with pytest.raises(UserError, match="static cache"):
         model.generate(PROMPT, max_new_tokens=2, cache_implementation="static")
+    with pytest.raises(UserError, match="roll back"):
+        SpanCache(model).crop(-1)
 
 
 def test_windows_are_the_longest_span_of_each_layer():
