@@ -130,15 +130,16 @@ class _BandSoftmax(torch.autograd.Function):
     or None (no positions: rotary, or none);
     log_mask: None, or log m_z of the first ``width`` columns of ``position`` (broadcastable);
     normaliser: return ``(attn, lse)``, also the log-sum-exp of each row's scores (whose
-    gradient flows back to the scores as ``attn`` times it).
+    gradient flows back to the scores as ``attn`` times it); ``start``: the keys of index below
+    it in the padded sequence (q's chunks are the third dimension from the end) are absent.
     The tile is written once by the product, the positions are added through its band view
     and the band's complement is filled with -inf in place (no skew copy, no separate score
     tiles); the backward reads the gradients of ``position`` and ``log_mask`` from the band.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k_t: Tensor, position: Tensor, log_mask: Tensor | None,
-                normaliser: bool = False):
+    def forward(ctx, q: Tensor, k_t: Tensor, position: Tensor | None, log_mask: Tensor | None,
+                normaliser: bool = False, start: int = 0):
         lead, c = q.shape[:-2], q.shape[-2]
         w = k_t.shape[-1] - c + 1
         ctx.shapes, ctx.positions = (q.shape, k_t.shape), position is not None
@@ -152,6 +153,9 @@ class _BandSoftmax(torch.autograd.Function):
         if log_mask is not None:
             band[..., : log_mask.shape[-1]].add_(log_mask)
         _band(scores, c, start=w).fill_(-math.inf)
+        for i in range(min(-(-start // c), scores.shape[-3])):  # chunk i's columns below
+            # ``start`` (keys i c + j of the padded sequence) are absent keys
+            scores[..., i, :, : start - i * c].fill_(-math.inf)
         lse = torch.logsumexp(scores, -1) if normaliser else None
         attn = _softmax_in_place(scores)  # the tile is ours
         ctx.save_for_backward(q, k_t, attn)
@@ -175,7 +179,7 @@ class _BandSoftmax(torch.autograd.Function):
             shape, dtype = ctx.log_mask
             grad_mask = band[..., : shape[-1]].sum_to_size(shape).to(dtype)
         grad_position = band.to(q.dtype) if ctx.positions else None
-        return grad_q, grad_k, grad_position, grad_mask, None
+        return grad_q, grad_k, grad_position, grad_mask, None, None
 
 
 class _Windows(torch.autograd.Function):
@@ -249,30 +253,27 @@ def banded_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of each query over the ``w`` keys just before it, with relative positions.
 
-    q: (B, H, M, dh) queries; k, v: (B, H, w + M, dh) keys/values, the last M aligned with the
-    queries (query t sits at key index w + t and attends to indices t .. t + w - 1, distances
-    w .. 1; the last key is never read, so w + M - 1 keys are enough); pos: (w, dh) embeddings
-    of distances 1..w, or None (no position product; then ``window`` gives w); z: None (no
-    mask) or the span broadcastable to (B, H, M); ``start``: the keys at indices below it are
-    absent (padding before a sequence's first token: no weight). Queries are processed in
-    chunks of ``c``, each over a window of ``w + c - 1`` keys, so the cost is about
-    M * (w + c) * dh rather than M * (w + M) * dh; ``c`` is :func:`chunk_size` unless ``chunk``
-    is given. ``z_min``, the least z on the host, saves reading it from the device (a
-    host-device synchronisation). With ``normaliser``, returns ``(out, lse)``, lse (B, H, M)
-    the log of each query's softmax denominator, log sum_r m_z(d) exp(s_tr), in the scores'
-    dtype (fp32 for a block's bf16 product): the output of the same attention with more keys
-    joined to its softmax is then a mixture of ``out`` and theirs (dropout, on the weights,
-    commutes with that scaling).
+    q: (B, H, M, dh) queries; k, v: (B, H, w + M, dh) keys/values (w + M - 1 suffice), the
+    last M aligned with the queries (query t sits at key index w + t and attends to indices
+    t .. t + w - 1, distances w .. 1; those below ``start`` absent); pos: (w, dh) embeddings of
+    distances 1..w, or None (no position product; ``window`` gives w); z: None (no mask) or
+    the span broadcastable to (B, H, M). Queries are processed in chunks of ``c`` (each over
+    ``w + c - 1`` keys: cost M (w + c) dh, not M (w + M) dh); ``c`` is :func:`chunk_size`
+    unless ``chunk`` is given. ``z_min``, the least z on the host, saves a host-device
+    synchronisation. With ``normaliser``, returns ``(out, lse)``, lse (B, H, M) the log of each
+    query's softmax denominator, log sum_r m_z(d) exp(s_tr), in the scores' dtype (fp32 for a
+    bf16 product): the output of the same attention with more keys joined to its softmax is
+    then a mixture of ``out`` and theirs (dropout, on the weights, commutes with that scaling).
     """
     M, dh = q.shape[2:]
     w = pos.shape[0] if pos is not None else window
     if M == 1:
-        return _one_query_attention(q, k, v, pos, z, ramp, dropout, training, normaliser,
-                                    w, start)
+        return _one_query_attention(q, k, v, pos, z, ramp, dropout, training, normaliser, w, start)
     c = min(M, chunk) if chunk else chunk_size(M, w, q.device.type)
     n = -(-M // c)
     if z is not None and z_min is None:
         z_min = z.detach().min().item()
+    width = 0 if z is None else ramp_columns(w, z_min)  # distance columns where m_z < 1
     if n * c != M:
         q = F.pad(q, (0, 0, 0, n * c - M))
         k, v = (F.pad(t, (0, 0, 0, w + n * c - k.shape[2])) for t in (k, v))
@@ -282,37 +283,19 @@ def banded_attention(
         z = z[..., None, None] if z.shape[-1] == 1 else z.unflatten(-1, (n, c))[..., None]
     # Position scores q . p_d in "distance layout": column j holds distance d = w - j.
     position = None if pos is None else q @ pos.flip(0).t()  # (B, H, n, c, w)
-    log_mask = _band_log_mask(w, n, c, z, z_min, ramp, start, q.device)
+    log_mask = None
+    if width:  # eq. 2: m_z(d) exp(s) = exp(s + log m_z(d)), added where m_z < 1 only
+        distance = torch.arange(w, w - width, -1, device=q.device, dtype=torch.float32)
+        log_mask = log_soft_mask(distance, z, ramp)  # fp32: distances exact up to 2**24
     length = w + c - 1  # keys of a chunk's window: key j of it is column j of the scores
     k_win, v_win = (_windows(t, length, c, n) for t in (k, v))  # (B, H, n, L, dh)
     # keys gathered row-wise (a copy only for several chunks), then read transposed by the BLAS
     k_t = k_win.flatten(0, 2).transpose(-1, -2)  # (B*H*n, dh, L)
-    attn = _BandSoftmax.apply(q, k_t, position, log_mask, normaliser)  # eqs. 1-2
+    attn = _BandSoftmax.apply(q, k_t, position, log_mask, normaliser, start)  # eqs. 1-2
     attn, lse = attn if normaliser else (attn, None)
     attn = F.dropout(attn, dropout, training)
     out = (attn.to(v_win.dtype) @ v_win).flatten(2, 3)[:, :, :M]  # eq. 3; attn is fp32
     return (out, lse.flatten(2, 3)[:, :, :M]) if normaliser else out
-
-
-def _band_log_mask(w: int, n: int, c: int, z: Tensor | None, z_min: float | None, ramp: int,
-                   start: int, device: torch.device) -> Tensor | None:
-    """What eq. 2 adds to the first columns of the distance layout (column j: distance
-    w - j): log m_z(d) where m_z < 1 (m_z(d) exp(s) = exp(s + log m_z(d))), and -inf at the
-    keys before ``start`` (query t of chunk row i reads key index t + j); None if nothing."""
-    width = 0 if z is None else ramp_columns(w, z_min)  # distance columns where m_z < 1
-    width = max(width, min(start, w))
-    if not width:
-        return None
-    log_mask = None
-    if z is not None:  # fp32: distances exact up to 2**24
-        distance = torch.arange(w, w - width, -1, device=device, dtype=torch.float32)
-        log_mask = log_soft_mask(distance, z, ramp)
-    if start:
-        query = torch.arange(n * c, device=device).view(n, c, 1)
-        absent = torch.arange(width, device=device) < start - query  # (n, c, width)
-        hidden = torch.zeros(absent.shape, device=device).masked_fill_(absent, -math.inf)
-        log_mask = hidden if log_mask is None else log_mask + hidden
-    return log_mask
 
 
 def _windows(x: Tensor, length: int, step: int, n: int) -> Tensor:
