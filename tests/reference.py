@@ -103,6 +103,31 @@ def gradients_against_reference(attn, x, cache) -> list[dict]:
     return grads
 
 
+def reference_hf_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                           scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """A ``transformers`` attention function: :func:`reference_span_attention` with z = S z'
+    read from the parameters of ``module.adaptive_span``. Returns (B, M, H, d), no weights."""
+    span = module.adaptive_span
+    z = (span.max_span * span.z_frac.clamp(0, 1)).expand(span.n_heads).view(1, -1, 1)
+    out = reference_span_attention(query, key, value, z, span.max_span, span.ramp,
+                                   scale=scaling)
+    return out.to(query.dtype).transpose(1, 2), None
+
+
+def reference_hf_logits(model, ids: Tensor) -> Tensor:
+    """Logits of a ``transformers`` model with spans attached, its attention computed by
+    :func:`reference_hf_attention`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("adaspan_reference", reference_hf_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("adaspan_reference")
+    try:
+        return model(ids).logits
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def reference_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, max_span: int,
                              ramp: float, pos: Tensor | None = None,
                              scale: float | None = None) -> Tensor:

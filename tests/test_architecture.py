@@ -13,7 +13,7 @@ PACKAGE = Path(adaspan.__file__).parent
 
 # The parts in order: a folder, or a module at the top of the package. A module imports only
 # modules of its own part or of earlier ones.
-PARTS = ["_version", "errors", "attention", "model", "data", "presets", "config", "resolve",
+PARTS = ["_version", "errors", "attention", "model", "hf", "data", "presets", "config", "resolve",
          "training", "measure", "cli", "__init__"]
 
 # Layer of every module, lowest first (the table of docs/architecture.md).
@@ -28,24 +28,27 @@ LAYERS = {
     "model/adaptive_io": 5, "model/analysis": 5,
     "model/lm": 6,
     "model/decode": 7, "model/__init__": 7,
-    "data/files": 8, "data/download": 8, "data/synthetic": 8,
-    "data/corpora": 9, "data/tokenizer": 9, "data/__init__": 9,
-    "presets": 10,
-    "config": 11,
-    "resolve": 12,
-    "training/precision": 13, "training/distributed": 13, "training/metrics": 13,
-    "training/optim": 13, "training/watch": 13,
-    "training/recorder": 14, "training/memory": 14, "training/evaluate": 14,
-    "training/lock": 14,
-    "training/checkpoint": 15,
-    "training/official": 16, "training/disk": 16,
-    "training/tokens": 17,
-    "training/train": 18, "training/__init__": 18,
-    "measure/plots": 19, "measure/tables": 19, "measure/generate": 19, "measure/bench": 19,
-    "measure/page": 20,
-    "measure/report": 21,
-    "measure/compare": 22, "measure/demo": 22, "measure/__init__": 22,
-    "cli": 23, "__init__": 24,
+    "hf/attention": 8,
+    "hf/cache": 9, "hf/spans": 9,
+    "hf/__init__": 10,
+    "data/files": 11, "data/download": 11, "data/synthetic": 11,
+    "data/corpora": 12, "data/tokenizer": 12, "data/__init__": 12,
+    "presets": 13,
+    "config": 14,
+    "resolve": 15,
+    "training/precision": 16, "training/distributed": 16, "training/metrics": 16,
+    "training/optim": 16, "training/watch": 16,
+    "training/recorder": 17, "training/memory": 17, "training/evaluate": 17,
+    "training/lock": 17,
+    "training/checkpoint": 18,
+    "training/official": 19, "training/disk": 19,
+    "training/tokens": 20,
+    "training/train": 21, "training/__init__": 21,
+    "measure/plots": 22, "measure/tables": 22, "measure/generate": 22, "measure/bench": 22,
+    "measure/page": 23,
+    "measure/report": 24,
+    "measure/compare": 25, "measure/demo": 25, "measure/__init__": 25,
+    "cli": 26, "__init__": 27,
 }
 
 

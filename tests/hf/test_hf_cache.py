@@ -1,0 +1,104 @@
+"""SpanCache: greedy generation equals the full cache's, with at most the window of keys held
+per layer; absolute positions kept after truncation."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="adaspan.hf needs transformers (adaspan[hf])")
+
+import torch
+from helpers import HF_KINDS, tiny_hf
+from transformers import DynamicCache
+
+from adaspan.errors import UserError
+from adaspan.hf import SpanCache, add_spans, kv_bytes, span_modules, windows
+
+PROMPT = torch.randint(0, 64, (1, 50), generator=torch.Generator().manual_seed(3))
+NEW = 30
+
+
+def greedy(model, cache):
+    out = model.generate(PROMPT, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                         cache=cache, return_dict_in_generate=True, output_logits=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_truncated_cache_generates_what_the_full_cache_does(kind):
+    model = add_spans(tiny_hf(kind), max_span=64, ramp=4)
+    for span, row in zip(span_modules(model), [[5, 9, 17, 12], [6, 6, 8, 20]], strict=True):
+        span.set_spans(torch.tensor(row, dtype=torch.float32))
+    assert windows(model) == [17, 20]
+    cache = SpanCache(model)
+    tokens, logits = greedy(model, cache)
+    full_tokens, full_logits = greedy(model, DynamicCache())
+    assert torch.equal(tokens, full_tokens)
+    torch.testing.assert_close(logits, full_logits, atol=1e-5, rtol=0)
+    # each key/value head keeps window - 1 positions of its group's longest span: heads 0-1
+    # and 2-3 share a key/value head (windows 9, 17 and 6, 20), except GPT-2's (one each)
+    held = [4 + 8 + 16 + 11, 5 + 5 + 7 + 19] if kind == "gpt2" else [8 + 16, 5 + 19]
+    assert [tuple(layer.keys.shape) for layer in cache.layers] == [(1, n, 8) for n in held]
+    assert cache.get_seq_length() == PROMPT.shape[1] + NEW - 1
+    assert kv_bytes(cache) == sum(held) * 2 * 8 * 4  # keys and values of 8 fp32 each
+
+
+def test_spans_covering_the_context_generate_what_the_model_without_spans_does():
+    model = tiny_hf("llama")
+    expected = greedy(model, DynamicCache())
+    add_spans(model, init=1.0)  # S = 96 >= 80 tokens
+    tokens, logits = greedy(model, SpanCache(model))
+    assert torch.equal(tokens, expected[0])
+    torch.testing.assert_close(logits, expected[1], atol=1e-5, rtol=0)
+
+
+def test_the_cache_holds_no_more_than_the_window_however_long_the_text():
+    model = add_spans(tiny_hf("qwen3", positions=512), max_span=512, ramp=4, init=0.0)
+    cache = SpanCache(model)
+    assert windows(model) == [4, 4]
+    model.generate(PROMPT, max_new_tokens=100, min_new_tokens=100, do_sample=False, cache=cache)
+    assert cache.get_seq_length() == 149
+    assert kv_bytes(cache) == 2 * 2 * 3 * 2 * 8 * 4  # layers, keys and values, R - 1 keys
+
+
+def test_beam_search_reorders_the_kept_positions():
+    model = add_spans(tiny_hf("qwen2"), max_span=64, ramp=4, init=0.1)
+    for span in span_modules(model):
+        span.set_spans(torch.tensor([5.0, 30.0, 9.0, 12.0]))
+    options = dict(max_new_tokens=12, min_new_tokens=12, num_beams=3, do_sample=False)
+    expected = model.generate(PROMPT, cache=DynamicCache(), **options)
+    assert torch.equal(model.generate(PROMPT, cache=SpanCache(model), **options), expected)
+
+
+def test_a_static_cache_and_rolling_back_are_refused():
+    model = add_spans(tiny_hf("llama"))
+    with pytest.raises(UserError, match="static cache"):
+        model.generate(PROMPT, max_new_tokens=2, cache_implementation="static")
+    with pytest.raises(UserError, match="roll back"):
+        SpanCache(model).crop(-1)
+
+
+def test_windows_are_the_longest_span_of_each_layer():
+    model = add_spans(tiny_hf("gpt2"), max_span=64, ramp=8, init=0.1)
+    assert windows(model) == [math.ceil(6.4 + 8)] * 2
+
+
+def test_the_speed_script_prints_bytes_and_speeds_of_both_caches():
+    """``scripts/hf_cache_speed.py`` at a tiny size: one JSON line per context, the span cache
+    holding R - 1 = 31 keys per layer (spans below R) while the full cache holds them all."""
+    script = Path(__file__).parents[2] / "scripts" / "hf_cache_speed.py"
+    done = subprocess.run([sys.executable, str(script), "--contexts", "40,80", "--new", "3",
+                           "--runs", "1", "--spans", "8,16", "--layers", "2", "--width", "32",
+                           "--heads", "2", "--kv-heads", "1"],
+                          capture_output=True, text=True, check=True, timeout=300)
+    lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert [line["context"] for line in lines] == [40, 80]
+    per_key = 2 * 1 * 16 * 4  # keys and values of one head of 16, fp32
+    for line in lines:
+        assert line["span_kv_bytes"] == 2 * 31 * per_key
+        assert line["full_kv_bytes"] == 2 * (line["context"] + 3) * per_key
+        assert line["span_decode_tokens_per_s"] > 0 and line["full_decode_tokens_per_s"] > 0
