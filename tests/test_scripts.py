@@ -90,8 +90,10 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
     "generation_speed.py": (lambda tmp: ["--chars", "4", "--runs", "1", "--prompt", "8",
                                          "--paths", "forward,decoder"],
                             has_keys("chars", "runs", "threads")),
+    "functional_speed.py": "tests/attention/test_functional.py",
     "gpu_check.sh": "bash -n",
     "gpu_compile.py": "tests/attention/test_gpu_compile.py",
+    "hf_cache_speed.py": "tests/hf/test_hf_cache.py",
     "make_adaptive_io_fixture.py": (
         lambda tmp: [str(ANCHORS / "adaptive-span"), "--out", str(tmp / "out")],
         wrote("cases.json", "tied.safetensors", "tied.npy", "untied.npy")),
