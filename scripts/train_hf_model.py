@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--log-every", type=int, default=10)
     add("--save-every", type=int, default=200)
     add("--valid-bytes", type=int, default=65536)
-    add("--threads", type=int, default=1)
+    add("--threads", type=int, default=1, help="torch's CPU threads (0: its default)")
     add("--bf16", action="store_true", help="bf16 autocast (fast where the CPU has bf16)")
     add("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -102,7 +102,8 @@ def save(model: LlamaForCausalLM, out: Path) -> None:
 
 def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     corpus = load_corpus(args.data, progress=False)
     rng = np.random.default_rng(args.seed)
     model = build_model(args)

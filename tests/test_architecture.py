@@ -45,6 +45,7 @@ LAYERS = {
     "measure/report": 21,
     "measure/compare": 22, "measure/demo": 22, "measure/__init__": 22,
     "cli": 23, "__init__": 24,
+    "training/retrofit": 17, "measure/retrofit_report": 20,
 }
 
 

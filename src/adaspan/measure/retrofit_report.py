@@ -118,6 +118,7 @@ def measure(run: Retrofit, precision: Precision, eval_bytes: int = 65536,
     from ..hf import span_modules
 
     ids, n_bytes = heldout(run, eval_bytes)
+    ids = ids.to(precision.device)
     new_tokens = min(new_tokens, run.config.context - 1)
     prompt = ids[: run.config.context - new_tokens]
     with precision.applied():

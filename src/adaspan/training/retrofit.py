@@ -88,10 +88,12 @@ def load_frozen(model_dir: str) -> tuple[nn.Module, object]:
     weight frozen); a directory that does not load is a one-line UserError."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not Path(model_dir).is_dir():
+        raise UserError(f"no model directory at {model_dir}")
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as exc:  # noqa: BLE001 - whatever the files are, the user picked them
+    except Exception as exc:  # whatever the files hold: the user picked them
         raise UserError(f"cannot load a model and tokenizer from {model_dir}: "
                         f"{one_line(exc)}") from None
     return model.eval().requires_grad_(False), tokenizer
@@ -198,7 +200,7 @@ class Retrofit:
         """One optimiser step of z' (then z' clamped to [0, 1]); the loss terms."""
         from ..hf import clamp_spans
 
-        x = window_batch(self.tokens, self.config, self.step)
+        x = window_batch(self.tokens, self.config, self.step).to(precision.device)
         with precision.applied():
             losses = span_losses(self.model, self.original, x, self.config)
         self.optimizer.zero_grad(set_to_none=True)
@@ -228,6 +230,19 @@ class Retrofit:
         self.save_state()
 
 
+@contextmanager
+def _transformers_bars(shown: bool) -> Iterator[None]:
+    """transformers' progress bars (loading, saving) shown or not within the block."""
+    from transformers.utils import logging
+
+    before = logging.is_progress_bar_enabled()
+    (logging.enable_progress_bar if shown else logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (logging.enable_progress_bar if before else logging.disable_progress_bar)()
+
+
 def _check_out(out: Path, config: RetrofitConfig, resume: bool) -> None:
     """Refuse to overwrite a retrofit, to resume one that is not there or has other
     options (but ``steps``), or to write into a directory that holds other files."""
@@ -246,12 +261,13 @@ def _check_out(out: Path, config: RetrofitConfig, resume: bool) -> None:
         raise RetrofitError(f"{out} {what}; or choose another --out")
 
 
-def prepare(config: RetrofitConfig, resume: bool) -> Retrofit:
-    """The model frozen with its spans attached (z' = 1), the tokens, the optimiser; on
-    ``resume``, restored from the checkpoint."""
+def prepare(config: RetrofitConfig, resume: bool, device: torch.device) -> Retrofit:
+    """The model frozen on ``device`` with its spans attached (z' = 1), the tokens, the
+    optimiser; on ``resume``, restored from the checkpoint."""
     from ..hf import add_spans
 
     model, tokenizer = load_frozen(config.model_dir)
+    model.to(device)
     original = model.config._attn_implementation
     add_spans(model, config.span_limit, config.ramp, init=1.0)
     optimizer = torch.optim.Adam(span_parameters(model), lr=config.lr)
@@ -272,13 +288,14 @@ def retrofit(config: RetrofitConfig, precision: Precision, resume: bool = False,
     _check_out(out, config, resume)
     lock = hold(out, Distributed())
     try:
-        run = prepare(config, resume)
-        if not resume:
-            atomic_write({out / SETTINGS_FILE: lambda path: path.write_text(
-                json.dumps(asdict(config), indent=1) + "\n")})
-        run.run(precision, progress)
-        save_model(run.model, out)
-        run.tokenizer.save_pretrained(out)
+        with _transformers_bars(progress):
+            run = prepare(config, resume, precision.device)
+            if not resume:
+                atomic_write({out / SETTINGS_FILE: lambda path: path.write_text(
+                    json.dumps(asdict(config), indent=1) + "\n")})
+            run.run(precision, progress)
+            save_model(run.model, out)
+            run.tokenizer.save_pretrained(out)
     finally:
         lock.release()
     return run
