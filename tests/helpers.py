@@ -134,3 +134,27 @@ def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+HF_KINDS = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+
+
+def tiny_hf(kind: str, positions: int = 96):
+    """A seeded 2-layer causal LM of ``transformers`` (width 32, 4 query heads of 8; 2 key/value
+    heads where the family groups them), fp32, eval mode, no dropout, sdpa attention."""
+    import transformers
+
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                         n_positions=positions, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                         eos_token_id=0)
+    else:
+        family = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[kind]
+        config = family(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        max_position_embeddings=positions, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.float().eval()

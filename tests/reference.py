@@ -101,3 +101,51 @@ def gradients_against_reference(attn, x, cache) -> list[dict]:
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], atol=1e-8, rtol=1e-6, msg=name)
     return grads
+
+
+def reference_hf_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                           scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """A ``transformers`` attention function: :func:`reference_span_attention` with z = S z'
+    read from the parameters of ``module.adaptive_span``. Returns (B, M, H, d), no weights."""
+    span = module.adaptive_span
+    z = (span.max_span * span.z_frac.clamp(0, 1)).expand(span.n_heads).view(1, -1, 1)
+    out = reference_span_attention(query, key, value, z, span.max_span, span.ramp,
+                                   scale=scaling)
+    return out.to(query.dtype).transpose(1, 2), None
+
+
+def reference_hf_logits(model, ids: Tensor) -> Tensor:
+    """Logits of a ``transformers`` model with spans attached, its attention computed by
+    :func:`reference_hf_attention`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("adaspan_reference", reference_hf_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("adaspan_reference")
+    try:
+        return model(ids).logits
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def reference_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, max_span: int,
+                             ramp: float, pos: Tensor | None = None,
+                             scale: float | None = None) -> Tensor:
+    """``span_attention`` over every key at once, in float64: the key heads repeated for the
+    query heads (``repeat_kv``), scores of all M x T pairs, s = scale q . (k_j + p_x) at distance
+    x = T - M + i - j, weights m_z(x) exp(s) / sum m_z exp(s) over 0 <= x < S (eq. 2)."""
+    B, Hq, M, d = q.shape
+    T, G = k.shape[2], Hq // k.shape[1]
+    k, v = (t.repeat_interleave(G, dim=1).double() for t in (k, v))
+    q = q.double()
+    scale = d**-0.5 if scale is None else scale
+    x = (T - M + torch.arange(M))[:, None] - torch.arange(T)[None, :]  # (M, T) distances
+    visible = (x >= 0) & (x < max_span)
+    scores = scale * q @ k.transpose(-1, -2)
+    if pos is not None:
+        p = pos.double()[x.clamp(0, max_span - 1)]  # (M, T, d): p_x of every pair
+        scores = scores + scale * torch.einsum("bhmd,mtd->bhmt", q, p)
+    zz = torch.full((B, Hq, M), math.inf) if z is None else z.double().expand(B, Hq, M)
+    mask = ((ramp + zz[..., None] - x) / ramp).clamp(0, 1) * visible  # m_z(x), 0 if hidden
+    weights = mask * torch.exp(scores - scores.amax(-1, keepdim=True))
+    return weights / weights.sum(-1, keepdim=True) @ v

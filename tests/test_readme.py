@@ -23,7 +23,11 @@ def _run_python_blocks(path: Path) -> list[dict]:
 
 
 def test_readme_examples_run_and_do_what_their_comments_say(capsys):
-    [ns] = _run_python_blocks(ROOT / "README.md")
+    ns, own = _run_python_blocks(ROOT / "README.md")
+    assert own["model"](own["x"]).shape == own["x"].shape  # span attention in a user's model
+    for layer in own["model"]:  # the loss reached every z; z' clamped back into [0, 1]
+        assert layer.span.z_frac.grad is not None and (layer.span.z_frac.grad != 0).all()
+        assert ((layer.span.z_frac >= 0) & (layer.span.z_frac <= 1)).all()
     config, model = ns["config"], ns["model"]
     assert ns["y"].shape == ns["x"].shape  # the attention keeps (batch, block, d_model)
     assert len(ns["cache"]) == len(ns["kv"]) == config.n_layers  # one cache per layer

@@ -15,8 +15,17 @@ from ._version import __version__
 from .attention import registry
 from .attention.band import banded_attention
 from .attention.baselines import FactorizedAttention, VanillaAttention, XLAttention
+from .attention.functional import key_window, span_attention
 from .attention.registry import ATTENTIONS, register_attention
-from .attention.span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, soft_mask
+from .attention.span import (
+    AdaptiveSpan,
+    DynamicSpan,
+    FixedSpan,
+    Span,
+    clamp_spans,
+    soft_mask,
+    span_loss,
+)
 from .attention.span_attention import Attention, SpanAttention
 from .config import ModelConfig, TrainConfig
 from .measure.generate import generate
@@ -41,11 +50,15 @@ __all__ = [
     "XLAttention",
     "__version__",
     "banded_attention",
+    "clamp_spans",
     "evaluate",
     "generate",
+    "key_window",
     "load_model",
     "register_attention",
     "soft_mask",
+    "span_attention",
+    "span_loss",
     "train",
 ]
 

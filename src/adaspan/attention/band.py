@@ -126,7 +126,8 @@ class _BandSoftmax(torch.autograd.Function):
 
     q: (..., c, dh); k_t: (N, dh, L), N the product of the leading dimensions, with
     L = w + c - 1 (key j of the window is column j);
-    position: (..., c, w), the position scores in distance layout (column j: distance w - j);
+    position: (..., c, w), the position scores in distance layout (column j: distance w - j),
+    or None (no positions: rotary, or none);
     log_mask: None, or log m_z of the first ``width`` columns of ``position`` (broadcastable);
     normaliser: return ``(attn, lse)``, also the log-sum-exp of each row's scores (whose
     gradient flows back to the scores as ``attn`` times it).
@@ -138,14 +139,16 @@ class _BandSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k_t: Tensor, position: Tensor, log_mask: Tensor | None,
                 normaliser: bool = False):
-        lead, (c, w) = position.shape[:-2], position.shape[-2:]
-        ctx.shapes = q.shape, k_t.shape
+        lead, c = q.shape[:-2], q.shape[-2]
+        w = k_t.shape[-1] - c + 1
+        ctx.shapes, ctx.positions = (q.shape, k_t.shape), position is not None
         q, k_t = q.flatten(0, -3), k_t.flatten(0, -3)  # (N, c, dh), (N, dh, L)
         scores = (q @ k_t).view(*lead, c, w + c - 1)
         if scores.dtype not in (torch.float32, torch.float64):  # a bf16 product (autocast):
             scores = scores.float()  # positions, mask and softmax in fp32, logits rounded once
         band = _band(scores, w)
-        band.add_(position)
+        if position is not None:
+            band.add_(position)
         if log_mask is not None:
             band[..., : log_mask.shape[-1]].add_(log_mask)
         _band(scores, c, start=w).fill_(-math.inf)
@@ -171,7 +174,8 @@ class _BandSoftmax(torch.autograd.Function):
         if ctx.log_mask is not None and ctx.needs_input_grad[3]:
             shape, dtype = ctx.log_mask
             grad_mask = band[..., : shape[-1]].sum_to_size(shape).to(dtype)
-        return grad_q, grad_k, band.to(q.dtype), grad_mask, None
+        grad_position = band.to(q.dtype) if ctx.positions else None
+        return grad_q, grad_k, grad_position, grad_mask, None
 
 
 class _Windows(torch.autograd.Function):
@@ -232,7 +236,7 @@ def banded_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    pos: Tensor,
+    pos: Tensor | None,
     z: Tensor | None,
     ramp: int,
     dropout: float = 0.0,
@@ -240,43 +244,45 @@ def banded_attention(
     chunk: int | None = None,
     z_min: float | None = None,
     normaliser: bool = False,
+    window: int | None = None,
+    start: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of each query over the ``w`` keys just before it, with relative positions.
 
     q: (B, H, M, dh) queries; k, v: (B, H, w + M, dh) keys/values, the last M aligned with the
     queries (query t sits at key index w + t and attends to indices t .. t + w - 1, distances
-    w .. 1); pos: (w, dh) embeddings of distances 1..w; z: None (no mask) or the span broadcastable
-    to (B, H, M). Queries are processed in chunks of ``c``, each over a window of ``w + c - 1``
-    keys, so the cost is about M * (w + c) * dh rather than M * (w + M) * dh; ``c`` is
-    :func:`chunk_size` unless ``chunk`` is given. ``z_min``, the least z on the host, saves
-    reading it from the device (a host-device synchronisation). With ``normaliser``, returns
-    ``(out, lse)``, lse (B, H, M) the log of each query's softmax denominator,
-    log sum_r m_z(d) exp(s_tr), in the scores' dtype (fp32 for a block's bf16 product): the
-    output of the same attention with more keys joined to its softmax is then a mixture of
-    ``out`` and theirs (dropout, on the weights, commutes with that scaling).
+    w .. 1; the last key is never read, so w + M - 1 keys are enough); pos: (w, dh) embeddings
+    of distances 1..w, or None (no position product; then ``window`` gives w); z: None (no
+    mask) or the span broadcastable to (B, H, M); ``start``: the keys at indices below it are
+    absent (padding before a sequence's first token: no weight). Queries are processed in
+    chunks of ``c``, each over a window of ``w + c - 1`` keys, so the cost is about
+    M * (w + c) * dh rather than M * (w + M) * dh; ``c`` is :func:`chunk_size` unless ``chunk``
+    is given. ``z_min``, the least z on the host, saves reading it from the device (a
+    host-device synchronisation). With ``normaliser``, returns ``(out, lse)``, lse (B, H, M)
+    the log of each query's softmax denominator, log sum_r m_z(d) exp(s_tr), in the scores'
+    dtype (fp32 for a block's bf16 product): the output of the same attention with more keys
+    joined to its softmax is then a mixture of ``out`` and theirs (dropout, on the weights,
+    commutes with that scaling).
     """
     M, dh = q.shape[2:]
-    w = pos.shape[0]
+    w = pos.shape[0] if pos is not None else window
     if M == 1:
-        return _one_query_attention(q, k, v, pos, z, ramp, dropout, training, normaliser)
+        return _one_query_attention(q, k, v, pos, z, ramp, dropout, training, normaliser,
+                                    w, start)
     c = min(M, chunk) if chunk else chunk_size(M, w, q.device.type)
     n = -(-M // c)
     if z is not None and z_min is None:
         z_min = z.detach().min().item()
-    width = 0 if z is None else ramp_columns(w, z_min)  # distance columns where m_z < 1
     if n * c != M:
         q = F.pad(q, (0, 0, 0, n * c - M))
-        k, v = (F.pad(t, (0, 0, 0, n * c - M)) for t in (k, v))
+        k, v = (F.pad(t, (0, 0, 0, w + n * c - k.shape[2])) for t in (k, v))
         z = z if z is None or z.shape[-1] == 1 else F.pad(z, (0, n * c - M))
     q = (q * dh**-0.5).unflatten(2, (n, c))  # (B, H, n, c, dh)
     if z is not None:  # per query: (B|1, H, n|1, c|1, 1)
         z = z[..., None, None] if z.shape[-1] == 1 else z.unflatten(-1, (n, c))[..., None]
     # Position scores q . p_d in "distance layout": column j holds distance d = w - j.
-    position = q @ pos.flip(0).t()  # (B, H, n, c, w)
-    log_mask = None
-    if width:  # eq. 2: m_z(d) exp(s) = exp(s + log m_z(d)), added where m_z < 1 only
-        distance = torch.arange(w, w - width, -1, device=q.device, dtype=torch.float32)
-        log_mask = log_soft_mask(distance, z, ramp)  # fp32: distances exact up to 2**24
+    position = None if pos is None else q @ pos.flip(0).t()  # (B, H, n, c, w)
+    log_mask = _band_log_mask(w, n, c, z, z_min, ramp, start, q.device)
     length = w + c - 1  # keys of a chunk's window: key j of it is column j of the scores
     k_win, v_win = (_windows(t, length, c, n) for t in (k, v))  # (B, H, n, L, dh)
     # keys gathered row-wise (a copy only for several chunks), then read transposed by the BLAS
@@ -288,6 +294,27 @@ def banded_attention(
     return (out, lse.flatten(2, 3)[:, :, :M]) if normaliser else out
 
 
+def _band_log_mask(w: int, n: int, c: int, z: Tensor | None, z_min: float | None, ramp: int,
+                   start: int, device: torch.device) -> Tensor | None:
+    """What eq. 2 adds to the first columns of the distance layout (column j: distance
+    w - j): log m_z(d) where m_z < 1 (m_z(d) exp(s) = exp(s + log m_z(d))), and -inf at the
+    keys before ``start`` (query t of chunk row i reads key index t + j); None if nothing."""
+    width = 0 if z is None else ramp_columns(w, z_min)  # distance columns where m_z < 1
+    width = max(width, min(start, w))
+    if not width:
+        return None
+    log_mask = None
+    if z is not None:  # fp32: distances exact up to 2**24
+        distance = torch.arange(w, w - width, -1, device=device, dtype=torch.float32)
+        log_mask = log_soft_mask(distance, z, ramp)
+    if start:
+        query = torch.arange(n * c, device=device).view(n, c, 1)
+        absent = torch.arange(width, device=device) < start - query  # (n, c, width)
+        hidden = torch.zeros(absent.shape, device=device).masked_fill_(absent, -math.inf)
+        log_mask = hidden if log_mask is None else log_mask + hidden
+    return log_mask
+
+
 def _windows(x: Tensor, length: int, step: int, n: int) -> Tensor:
     """Key/value windows (B, H, n, length, dh) of the chunks; a single chunk is a slice."""
     if n == 1:
@@ -296,17 +323,20 @@ def _windows(x: Tensor, length: int, step: int, n: int) -> Tensor:
 
 
 def _one_query_attention(
-    q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None, ramp: int,
-    dropout: float, training: bool, normaliser: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, pos: Tensor | None, z: Tensor | None, ramp: int,
+    dropout: float, training: bool, normaliser: bool = False, w: int = 0, start: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`banded_attention` of a single query (generation): keys 0 .. w-1 at distances
-    w .. 1, scored directly, without chunks or skew."""
-    w = pos.shape[0]
+    w .. 1 (those below ``start`` absent), scored directly, without chunks or skew."""
     q = q * q.shape[-1] ** -0.5
-    scores = q @ k[:, :, :w].transpose(-1, -2) + (q @ pos.t()).flip(-1)  # eq. 1
+    scores = q @ k[:, :, :w].transpose(-1, -2)  # eq. 1
+    if pos is not None:
+        scores = scores + (q @ pos.t()).flip(-1)
     if z is not None:
         distance = torch.arange(w, 0, -1, device=q.device, dtype=torch.float32)
         scores = scores + log_soft_mask(distance, z[..., None], ramp)  # eq. 2
+    if start:
+        scores[..., :start] = -math.inf
     attn = F.dropout(torch.softmax(scores, dim=-1), dropout, training)
     out = attn.to(v.dtype) @ v[:, :, :w]  # eq. 3
     return (out, torch.logsumexp(scores, -1)) if normaliser else out

@@ -248,3 +248,21 @@ def read_spans(spans: Iterable[Span]) -> None:
     values = torch.cat([span.z().detach().float() for span in stale]).tolist()
     for i, span in enumerate(stale):
         span._host = (span._version(), values[i * span.n_heads : (i + 1) * span.n_heads])
+
+
+def span_loss(model: nn.Module, coef: float) -> Tensor:
+    """The span penalty of every learned span module in ``model`` (paper §2.2): for each,
+    ``coef / H * sum_i z_i`` over its H heads (lambda / M sum z). Zero when none is learned."""
+    terms = [t / span.n_heads for span in model.modules()
+             if isinstance(span, Span) and (t := span.z_penalty()) is not None]
+    if not terms:
+        return torch.zeros(())
+    return coef * torch.stack(terms).sum()
+
+
+def clamp_spans(model: nn.Module) -> None:
+    """Project every span module of ``model`` back onto its domain (z' in [0, 1]): call after
+    each optimiser step."""
+    for span in model.modules():
+        if isinstance(span, Span):
+            span.clamp_()

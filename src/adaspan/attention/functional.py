@@ -1,0 +1,131 @@
+"""Span attention as a function of any queries, keys and values (paper eqs. 1-3).
+
+:func:`span_attention` serves models that compute their own q, k, v (rotary positions applied
+by the caller, grouped-query attention, a cache of earlier keys): query i of the M newest
+positions sits at position T - M + i among the T keys, and reads the keys at distances
+x = 0 .. S - 1 (itself included), weighted by the soft mask m_z(x) = clamp((R + z - x) / R, 0, 1)
+of eq. 2. Each group of heads of equal key window reads only the ``ceil(z + R)`` keys it can
+see, with the band kernels of :mod:`adaspan.attention.band`.
+
+Distances here start at 0 (the query's own key), where :class:`SpanAttention` of SpanLM counts
+from 1 (the paper's keys strictly before the query): the band kernel's distance d is x + 1, so
+its z is z + 1 (m_{z+1}(x + 1) = m_z(x)) and its table row d - 1 is row x of ``pos``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .band import banded_attention
+
+
+def key_window(z_max: float, max_span: int, ramp: float, bucket: int = 1) -> int:
+    """Keys a head still sees with spans up to ``z_max``: ``min(S, ceil(z_max + R))`` rounded
+    up to a multiple of ``bucket`` (beyond it the mask m_z is 0)."""
+    window = -(-math.ceil(z_max + ramp) // bucket) * bucket
+    return min(max_span, window)
+
+
+def span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, *, max_span: int,
+                   ramp: float, pos: Tensor | None = None, scale: float | None = None,
+                   dropout: float = 0.0, training: bool = False, z_min: float | None = None
+                   ) -> Tensor:
+    """Eqs. 1-3 of the M newest positions over their keys at distances 0 .. S - 1.
+
+    q: (B, Hq, M, d); k, v: (B, Hkv, T, d), T >= M, the last M keys the queries' own; query
+    head h reads key head h // (Hq / Hkv). z: None (every key with 0 <= x < S, weight 1) or
+    the span, broadcastable to (B, Hq, M). Scores s = scale * q . (k + p_x), ``pos`` the
+    table (S, d) of p_x by distance x (None: no position product, e.g. rotary positions
+    already in q and k); ``scale`` defaults to d ** -0.5. ``z_min``, the least z on the host,
+    saves reading it; the key windows need each head's greatest z on the host (one read of z,
+    none when z is None). Returns (B, Hq, M, d) in the dtype of q.
+    """
+    B, Hq, M, d = q.shape
+    T = _check(q, k, v, pos, max_span)
+    if scale is not None and scale != d**-0.5:  # the band kernel scales by d ** -0.5
+        q = q * (scale * d**0.5)
+    z = None if z is None else _per_head(z, B, Hq, M)
+    groups = _groups(z, Hq, max_span, ramp, T, z_min)
+    outputs = [_group_attention(q, k, v, pos, z, window, heads, z_least, ramp, dropout,
+                                training) for window, heads, z_least in groups]
+    if len(outputs) == 1:
+        return outputs[0].to(q.dtype)
+    out = q.new_empty(B, Hq, M, d)
+    for (_, heads, _), o in zip(groups, outputs, strict=True):
+        out[:, heads] = o.to(q.dtype)
+    return out
+
+
+def _group_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor | None, z: Tensor | None,
+                     window: int, heads: list[int], z_least: float, ramp: float, dropout: float,
+                     training: bool) -> Tensor:
+    """Eqs. 1-3 for the query heads ``heads`` over their last ``window`` keys, with the band
+    kernel (distances shifted by one: its key t + w - 1 is query t's own)."""
+    T, M = k.shape[2], q.shape[2]
+    lo = T - M - window + 1  # the first key of the first query's window
+    rows = _index(heads, q.device)
+    kv = _index([h // (q.shape[1] // k.shape[1]) for h in heads], q.device)
+    keys, values = (t[:, kv, max(lo, 0):] for t in (k, v))
+    if lo < 0:  # the first queries' windows begin before position 0: absent keys
+        keys, values = (F.pad(t, (0, 0, -lo, 0)) for t in (keys, values))
+    zg = None if z is None else z[:, rows] + 1  # band distances are x + 1
+    table = None if pos is None else pos[:window].to(q.dtype)
+    return banded_attention(q[:, rows], keys, values, table,
+                            zg, ramp, dropout, training,
+                            z_min=None if z is None else z_least + 1, window=window,
+                            start=max(-lo, 0))
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, pos: Tensor | None, max_span: int) -> int:
+    """T, the number of keys, once the shapes are those of :func:`span_attention`."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"q must be (B, Hq, M, d) and k, v (B, Hkv, T, d), got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    (B, Hq, M, d), (Bk, Hkv, T, dk) = q.shape, k.shape
+    if (Bk, dk) != (B, d) or Hq % Hkv or T < M:
+        raise ValueError(f"q {tuple(q.shape)} and k, v {tuple(k.shape)} must share B and d, "
+                         "with query heads a multiple of key heads and T >= M")
+    if pos is not None and tuple(pos.shape) != (max_span, d):
+        raise ValueError(f"pos must be (max_span, d) = ({max_span}, {d}), "
+                         f"got {tuple(pos.shape)}")
+    if max_span < 1:
+        raise ValueError(f"max_span must be at least 1, got {max_span}")
+    return T
+
+
+def _per_head(z: Tensor, B: int, H: int, M: int) -> Tensor:
+    """``z`` as (B|1, H, M|1), each head's own (an expanded view where heads share one)."""
+    z = z.reshape((1,) * (3 - z.dim()) + tuple(z.shape)) if z.dim() < 3 else z
+    if z.dim() != 3 or torch.broadcast_shapes(z.shape, (B, H, M)) != (B, H, M):
+        raise ValueError(f"z must be broadcastable to (B, Hq, M) = {(B, H, M)}, "
+                         f"got {tuple(z.shape)}")
+    return z.expand(z.shape[0], H, z.shape[2])
+
+
+def _groups(z: Tensor | None, H: int, max_span: int, ramp: float, T: int,
+            z_min: float | None) -> list[tuple[int, list[int], float]]:
+    """The heads grouped by key window: (window, heads, least z of the group), the windows
+    ``key_window`` of each head's greatest z, capped at T (one read of z from the device)."""
+    if z is None:
+        return [(min(max_span, T), list(range(H)), 0.0)]
+    z = z.detach()
+    if z_min is None:
+        least, greatest = torch.stack([z.amin(dim=(0, 2)), z.amax(dim=(0, 2))]).tolist()
+    else:
+        least, greatest = [z_min] * H, z.amax(dim=(0, 2)).tolist()
+    members: dict[int, list[int]] = {}
+    for head, z_max in enumerate(greatest):
+        members.setdefault(min(key_window(z_max, max_span, ramp), T), []).append(head)
+    return [(w, heads, min(least[h] for h in heads)) for w, heads in members.items()]
+
+
+def _index(heads: list[int], device: torch.device) -> slice | Tensor:
+    """The heads ``heads`` as an index of a head dimension: a slice (a view) when they are
+    consecutive, else an index tensor on ``device``."""
+    if heads == list(range(heads[0], heads[-1] + 1)):
+        return slice(heads[0], heads[-1] + 1)
+    return torch.tensor(heads, device=device)

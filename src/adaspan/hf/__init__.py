@@ -1,0 +1,29 @@
+"""Learned spans in Hugging Face ``transformers`` causal LMs (optional: ``pip install
+'adaspan[hf]'``).
+
+``add_spans`` attaches an adaptive span to every attention layer of a model whose attention
+goes through ``AttentionInterface`` (Llama, Mistral, Qwen2, Qwen3, GPT-2, ...) and switches it
+to the ``adaptive_span`` attention (``attention``); ``save_model``/``load_model``
+(``spans``); ``span_loss`` and ``clamp_spans`` (of ``attention.span``); ``SpanCache``, a
+key/value cache for ``generate`` that keeps only the keys each layer's heads can see
+(``cache``).
+
+Imports ``attention`` and ``errors``, and ``transformers``.
+"""
+
+from ..errors import UserError
+
+try:
+    import transformers  # noqa: F401
+except ImportError:
+    raise UserError("adaspan.hf needs transformers: pip install 'adaspan[hf]'") from None
+
+from ..attention.span import clamp_spans, span_loss
+from .attention import NAME, register, span_modules
+from .cache import SpanCache, kv_bytes, windows
+from .spans import add_spans, load_model, load_spans, save_model, save_spans
+
+register()
+
+__all__ = ["NAME", "SpanCache", "add_spans", "clamp_spans", "kv_bytes", "load_model",
+           "load_spans", "save_model", "save_spans", "span_loss", "span_modules", "windows"]

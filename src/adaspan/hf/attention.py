@@ -1,0 +1,90 @@
+"""The ``adaptive_span`` attention of Hugging Face ``transformers``: eqs. 1-3 with the soft
+mask m_z(x) in every attention layer that goes through ``AttentionInterface``.
+
+Each attention module carries its span as the attribute ``adaptive_span`` (an
+:class:`~adaspan.attention.span.AdaptiveSpan`); the function registered under
+``"adaptive_span"`` reads it and calls :func:`~adaspan.attention.functional.span_attention`
+on the queries, keys and values the layer hands over (rotary applied, cache updated: the last
+queries' keys are the queries' own positions). A batch is one sequence per row: a padded
+batch (an attention mask with a zero) is refused, as is a prepared 4D mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..attention.functional import span_attention
+from ..attention.span import AdaptiveSpan
+from ..errors import UserError
+
+NAME = "adaptive_span"  # the attention implementation, and the attribute holding the span
+
+_probe: list[tuple[nn.Module, int | None]] | None = None  # modules met by a probing forward
+
+
+def span_of(module: nn.Module) -> AdaptiveSpan | None:
+    """The span attached to an attention module, or None."""
+    return getattr(module, NAME, None)
+
+
+def span_modules(model: nn.Module) -> list[AdaptiveSpan]:
+    """The spans of a model's attention modules, in layer order."""
+    return [span for module in model.modules() if (span := span_of(module)) is not None]
+
+
+def adaptive_span_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                            attention_mask: Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """``AttentionInterface`` function: query (B, Hq, M, d), key and value (B, Hkv, T, d);
+    returns the output (B, M, Hq, d) and no weights."""
+    if _probe is not None:  # add_spans is finding the attention modules: plain causal attention
+        _probe.append((module, kwargs.get("sliding_window")))
+        out = span_attention(query, key, value, None, max_span=key.shape[2], ramp=1.0,
+                             scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    span = span_of(module)
+    if span is None:
+        raise UserError(f"{type(module).__name__} has no span: attach them with "
+                        "adaspan.hf.add_spans(model) (or load with adaspan.hf.load_model)")
+    if attention_mask is not None:
+        raise UserError("adaptive_span attention takes no prepared attention mask (a 4D mask "
+                        "was given): pass a 2D mask of ones, or none")
+    out = span_attention(query, key, value, span(query), max_span=span.max_span,
+                         ramp=span.ramp, scale=scaling, dropout=dropout,
+                         training=module.training)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def adaptive_span_mask(batch_size: int, q_length: int, kv_length: int, *args,
+                       attention_mask: Tensor | None = None, **kwargs) -> None:
+    """``AttentionMaskInterface`` function: no mask (span attention is causal by the keys'
+    distances); refuses padding, which span attention does not mask."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise UserError("adaptive_span attention does not mask padding: give one unpadded "
+                        "sequence per row (batches of equal lengths, or batch size 1)")
+    return None
+
+
+def register() -> None:
+    """Register ``"adaptive_span"`` with transformers' attention and mask interfaces."""
+    AttentionInterface.register(NAME, adaptive_span_attention)
+    AttentionMaskInterface.register(NAME, adaptive_span_mask)
+
+
+@contextmanager
+def probing() -> Iterator[list[tuple[nn.Module, int | None]]]:
+    """Within the block, the attention function records each module it is called for (with
+    its sliding window, if any) and computes plain causal attention."""
+    global _probe
+    _probe = found = []
+    try:
+        with torch.no_grad():
+            yield found
+    finally:
+        _probe = None

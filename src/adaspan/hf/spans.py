@@ -1,0 +1,141 @@
+"""Learned spans in a Hugging Face causal LM: attached (``add_spans``), saved and loaded with
+the model (penalised and kept in [0, 1] by ``attention.span``'s ``span_loss`` and
+``clamp_spans``, which ``adaspan.hf`` exports).
+
+``add_spans`` finds the attention modules by one probing forward of two tokens through the
+``adaptive_span`` attention function: the modules it is called for are the layers, in order; a
+model whose attention does not go through ``AttentionInterface`` calls it for none and is
+refused. Each module gets an :class:`~adaspan.attention.span.AdaptiveSpan` of the model's
+query heads, ``z = S z'`` (``init`` is z': 1 keeps the model unchanged up to S tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..attention.span import AdaptiveSpan
+from ..errors import ConfigError, UserError, one_line
+from .attention import NAME, probing, span_modules
+
+SPANS_FILE = "adaptive_spans.safetensors"  # z' of every layer, one tensor per layer
+SETTINGS_FILE = "adaptive_spans.json"  # max_span, ramp, per_layer; the spans, for reading
+
+
+def _attention_modules(model: nn.Module) -> tuple[list[nn.Module], list[int]]:
+    """The modules that call the attention interface, in call order, and the sliding windows
+    they declare."""
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ConfigError(f"{type(model).__name__} does not compute attention through "
+                          "transformers' AttentionInterface: spans cannot be attached")
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    try:
+        device = next(model.parameters()).device
+        with probing() as found:
+            model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    if not found:
+        raise ConfigError(f"{type(model).__name__}'s attention never called the "
+                          "AttentionInterface: spans cannot be attached")
+    return [m for m, _ in found], [w for _, w in found if w is not None]
+
+
+def _check_max_span(model: nn.Module, max_span: int | None, windows: list[int]) -> int:
+    """``max_span`` (default: the model's positions, or its sliding window if shorter), no
+    longer than either."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    limits = [n for n in (positions, *windows) if n]
+    if max_span is None:
+        if not limits:
+            raise ConfigError("the model's config gives no max_position_embeddings: give max_span")
+        return min(limits)
+    if not isinstance(max_span, int) or max_span < 1:
+        raise ConfigError(f"max_span must be a positive integer, got {max_span!r}")
+    if limits and max_span > min(limits):
+        raise ConfigError(f"max_span={max_span} is longer than the model's positions or "
+                          f"sliding window ({min(limits)})")
+    return max_span
+
+
+def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, init: float = 1.0,
+              per_layer: bool = False) -> nn.Module:
+    """Attach an ``AdaptiveSpan`` (S = ``max_span``, ramp R, z' = ``init``) to every attention
+    module of ``model`` and switch it to the ``adaptive_span`` attention; returns ``model``."""
+    if not isinstance(ramp, int) or ramp < 1:
+        raise ConfigError(f"ramp must be a positive integer, got {ramp!r}")
+    if not 0.0 <= init <= 1.0:
+        raise ConfigError(f"init (z' = z / max_span) must lie in [0, 1], got {init!r}")
+    modules, windows = _attention_modules(model)
+    max_span = _check_max_span(model, max_span, windows)
+    n_heads = model.config.num_attention_heads
+    param = next(model.parameters())
+    for module in modules:
+        span = AdaptiveSpan(n_heads, max_span, ramp, init=init, per_layer=per_layer)
+        setattr(module, NAME, span.to(device=param.device))
+    model.config.adaptive_span = {"max_span": max_span, "ramp": ramp, "per_layer": per_layer}
+    model.set_attn_implementation(NAME)
+    return model
+
+
+def _spans_of(model: nn.Module) -> list[AdaptiveSpan]:
+    spans = span_modules(model)
+    if not spans:
+        raise UserError("the model has no spans: attach them with adaspan.hf.add_spans(model)")
+    return spans
+
+
+def save_spans(model: nn.Module, directory: str | Path) -> None:
+    """Write the spans next to ``model.save_pretrained(directory)``: z' of every layer
+    (safetensors) and the span settings with each head's span min(S, z + R) (JSON)."""
+    spans, directory = _spans_of(model), Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({f"layers.{i}.z_frac": s.z_frac.detach().float().cpu().contiguous()
+               for i, s in enumerate(spans)}, str(directory / SPANS_FILE))
+    settings = {**model.config.adaptive_span,
+                "spans": [s.spans().tolist() for s in spans]}
+    (directory / SETTINGS_FILE).write_text(json.dumps(settings, indent=1) + "\n")
+
+
+def save_model(model: nn.Module, directory: str | Path) -> None:
+    """``model.save_pretrained(directory)`` without the spans, then the spans
+    (:func:`save_spans`)."""
+    weights = {k: v for k, v in model.state_dict().items() if f".{NAME}." not in k}
+    model.save_pretrained(directory, state_dict=weights)
+    save_spans(model, directory)
+
+
+def load_spans(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Attach the spans saved in ``directory`` (:func:`save_spans`) to ``model``."""
+    directory = Path(directory)
+    try:
+        settings = json.loads((directory / SETTINGS_FILE).read_text())
+        tensors = load_file(str(directory / SPANS_FILE))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"no spans in {directory}: {one_line(exc)}") from None
+    add_spans(model, settings["max_span"], settings["ramp"], per_layer=settings["per_layer"])
+    spans = span_modules(model)
+    if len(tensors) != len(spans):
+        raise UserError(f"{directory} holds the spans of {len(tensors)} layers, the model has "
+                        f"{len(spans)}")
+    with torch.no_grad():
+        for i, span in enumerate(spans):
+            span.z_frac.copy_(tensors[f"layers.{i}.z_frac"])
+    return model
+
+
+def load_model(directory: str | Path, **from_pretrained: object) -> nn.Module:
+    """The causal LM saved in ``directory`` (:func:`save_model`) with its spans attached;
+    keyword arguments go to ``AutoModelForCausalLM.from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(directory), **from_pretrained)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"cannot load a model from {directory}: {one_line(exc)}") from None
+    return load_spans(model, directory)

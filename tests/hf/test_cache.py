@@ -1,0 +1,63 @@
+"""SpanCache: greedy generation equals the full cache's, with at most the window of keys held
+per layer; absolute positions kept after truncation."""
+
+import math
+
+import pytest
+
+pytest.importorskip("transformers", reason="adaspan.hf needs transformers (adaspan[hf])")
+
+import torch
+from helpers import HF_KINDS, tiny_hf
+from transformers import DynamicCache
+
+from adaspan.hf import SpanCache, add_spans, kv_bytes, span_modules, windows
+
+PROMPT = torch.randint(0, 64, (1, 50), generator=torch.Generator().manual_seed(3))
+NEW = 30
+
+
+def greedy(model, cache):
+    out = model.generate(PROMPT, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                         cache=cache, return_dict_in_generate=True, output_logits=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_truncated_cache_generates_what_the_full_cache_does(kind):
+    model = add_spans(tiny_hf(kind), max_span=64, ramp=4)
+    for span, row in zip(span_modules(model), [[5, 9, 17, 12], [6, 6, 8, 20]], strict=True):
+        span.set_spans(torch.tensor(row, dtype=torch.float32))
+    assert windows(model) == [17, 20]
+    cache = SpanCache(model)
+    tokens, logits = greedy(model, cache)
+    full_tokens, full_logits = greedy(model, DynamicCache())
+    assert torch.equal(tokens, full_tokens)
+    torch.testing.assert_close(logits, full_logits, atol=1e-5, rtol=0)
+    assert [layer.keys.shape[2] for layer in cache.layers] == [16, 19]  # window - 1
+    assert cache.get_seq_length() == PROMPT.shape[1] + NEW - 1
+    per_key = 2 * cache.layers[0].keys.shape[1] * 8 * 4  # keys and values, fp32
+    assert kv_bytes(cache) == (16 + 19) * per_key
+
+
+def test_spans_covering_the_context_generate_what_the_model_without_spans_does():
+    model = tiny_hf("llama")
+    expected = greedy(model, DynamicCache())
+    add_spans(model, init=1.0)  # S = 96 >= 80 tokens
+    tokens, logits = greedy(model, SpanCache(model))
+    assert torch.equal(tokens, expected[0])
+    torch.testing.assert_close(logits, expected[1], atol=1e-5, rtol=0)
+
+
+def test_the_cache_holds_no_more_than_the_window_however_long_the_text():
+    model = add_spans(tiny_hf("qwen3", positions=512), max_span=512, ramp=4, init=0.0)
+    cache = SpanCache(model)
+    assert windows(model) == [4, 4]
+    model.generate(PROMPT, max_new_tokens=100, min_new_tokens=100, do_sample=False, cache=cache)
+    assert cache.get_seq_length() == 149
+    assert kv_bytes(cache) == 2 * 2 * 3 * 2 * 8 * 4  # layers, keys and values, R - 1 keys
+
+
+def test_windows_are_the_longest_span_of_each_layer():
+    model = add_spans(tiny_hf("gpt2"), max_span=64, ramp=8, init=0.1)
+    assert windows(model) == [math.ceil(6.4 + 8)] * 2

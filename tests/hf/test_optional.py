@@ -1,0 +1,22 @@
+"""transformers stays optional: adaspan does not import it, and adaspan.hf without it says in
+one line how to install it."""
+
+import subprocess
+import sys
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_adaspan_does_not_import_transformers():
+    done = run("import sys, adaspan, adaspan.cli; print('transformers' in sys.modules)")
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_adaspan_hf_without_transformers_says_how_to_install_it():
+    done = run("import sys; sys.modules['transformers'] = None\n"
+               "from adaspan.errors import UserError\n"
+               "try:\n    import adaspan.hf\nexcept UserError as e:\n    print(e)")
+    assert done.stdout == "adaspan.hf needs transformers: pip install 'adaspan[hf]'\n", done.stderr
