@@ -167,3 +167,19 @@ def test_train_hf_model_script(tmp_path):
         b + script.OFFSET for b in "hé".encode()]
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_key_value_heads == 2 and model.config.max_position_embeddings == 32
+
+
+def test_retrofit_experiment_script(model_dir, tmp_path, capsys):
+    script = load_script("retrofit_experiment")
+    results = script.main([str(model_dir), "--data", "kjv", "--out", str(tmp_path / "x"),
+                           "--span-losses", "0,0.5", "--steps", "3", "--context", "64",
+                           "--ramp", "4", "--lr", "0.1", "--eval-bytes", "100",
+                           "--decode-tokens", "2", "--rounds", "1",
+                           "--lock", str(tmp_path / "lock")])
+    assert json.loads(capsys.readouterr().out) == results
+    free, penalised = results
+    # at S: the span cache holds the S - 1 keys before the next token, the full cache S
+    assert free["kv_smaller"] == 64 / 63
+    assert free["bits_per_byte_change"] == pytest.approx(0.0, abs=1e-6)
+    assert penalised["kv_bytes_spans"] < penalised["kv_bytes"]
+    assert max(map(max, penalised["spans"])) < 64
