@@ -20,6 +20,7 @@ from adaspan.cli import main
 from adaspan.data.corpora import load_corpus
 from adaspan.hf import load_model, span_modules
 from adaspan.measure.retrofit_report import REPORT_FILE, measure
+from adaspan.training.lock import RunLockedError, WriterLock
 from adaspan.training.precision import choose
 from adaspan.training.retrofit import Retrofit, RetrofitConfig, retrofit
 from tests.helpers import load_script
@@ -183,3 +184,15 @@ def test_retrofit_experiment_script(model_dir, tmp_path, capsys):
     assert free["bits_per_byte_change"] == pytest.approx(0.0, abs=1e-6)
     assert penalised["kv_bytes_spans"] < penalised["kv_bytes"]
     assert max(map(max, penalised["spans"])) < 64
+
+
+def test_one_writer(model_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = WriterLock(out)
+    lock.acquire()
+    try:
+        with pytest.raises(RunLockedError, match="being written by another process"):
+            retrofit(options(model_dir, out), FP32, progress=False)
+    finally:
+        lock.release()
