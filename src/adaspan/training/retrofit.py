@@ -57,7 +57,7 @@ class RetrofitConfig:
     steps: int = 200
     batch_size: int = 4
     lr: float = 0.02
-    span_loss: float = 1e-3
+    span_loss: float = 2e-5
     loss: str = "distill"
     seed: int = 0
     checkpoint_interval: int = 50
