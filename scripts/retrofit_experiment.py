@@ -9,7 +9,8 @@ as one JSON document.
 
 Training runs without the lock; each report (its timings) runs holding ``--lock`` (``flock``),
 so that it never overlaps another benchmark that takes the same lock. Finished retrofits in
-``--out`` are measured again, not retrained.
+``--out`` are measured again, not retrained: ``--train-only`` runs in parallel, then one call
+that measures them all one after the other.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--rounds", type=int, default=3)
     add("--dtype", default="auto")
     add("--lock", type=Path, help="flock this file while measuring")
+    add("--train-only", action="store_true", help="train the spans, measure nothing")
     return parser.parse_args(argv)
 
 
@@ -79,6 +81,8 @@ def run_one(args: argparse.Namespace, span_loss: float) -> dict:
     cpu = torch.device("cpu")
     run = retrofit(config, choose(args.dtype, cpu, "train"),
                    resume=(out / STATE_FILE).is_file(), progress=False)
+    if args.train_only:
+        return {"span_loss": span_loss, "steps": run.step}
     with locked(args.lock) if args.lock else nullcontext():
         report = measure(run, choose(args.dtype, cpu, "score"), args.eval_bytes,
                          args.decode_tokens, args.rounds)

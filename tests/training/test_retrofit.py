@@ -172,11 +172,13 @@ def test_train_hf_model_script(tmp_path):
 
 def test_retrofit_experiment_script(model_dir, tmp_path, capsys):
     script = load_script("retrofit_experiment")
-    results = script.main([str(model_dir), "--data", "kjv", "--out", str(tmp_path / "x"),
-                           "--span-losses", "0,0.5", "--steps", "3", "--context", "64",
-                           "--ramp", "4", "--lr", "0.1", "--eval-bytes", "100",
-                           "--decode-tokens", "2", "--rounds", "1",
-                           "--lock", str(tmp_path / "lock")])
+    args = [str(model_dir), "--data", "kjv", "--out", str(tmp_path / "x"), "--span-losses",
+            "0,0.5", "--steps", "3", "--context", "64", "--ramp", "4", "--lr", "0.1"]
+    assert script.main([*args, "--train-only"]) == [{"span_loss": 0.0, "steps": 3},
+                                                    {"span_loss": 0.5, "steps": 3}]
+    capsys.readouterr()
+    results = script.main([*args, "--eval-bytes", "100", "--decode-tokens", "2", "--rounds",
+                           "1", "--lock", str(tmp_path / "lock")])  # measured, not retrained
     assert json.loads(capsys.readouterr().out) == results
     free, penalised = results
     # at S: the span cache holds the S - 1 keys before the next token, the full cache S
