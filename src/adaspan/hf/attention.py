@@ -38,6 +38,14 @@ def span_modules(model: nn.Module) -> list[AdaptiveSpan]:
     return [span for module in model.modules() if (span := span_of(module)) is not None]
 
 
+def attached_spans(model: nn.Module) -> list[AdaptiveSpan]:
+    """:func:`span_modules`, refusing a model that has none."""
+    spans = span_modules(model)
+    if not spans:
+        raise UserError("the model has no spans: attach them with adaspan.hf.add_spans(model)")
+    return spans
+
+
 def adaptive_span_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                             attention_mask: Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
@@ -61,13 +69,18 @@ def adaptive_span_attention(module: nn.Module, query: Tensor, key: Tensor, value
     return out.transpose(1, 2).contiguous(), None
 
 
-def adaptive_span_mask(batch_size: int, q_length: int, kv_length: int, *args,
-                       attention_mask: Tensor | None = None, **kwargs) -> None:
+def adaptive_span_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+                       kv_offset: int = 0, attention_mask: Tensor | None = None,
+                       **kwargs) -> None:
     """``AttentionMaskInterface`` function: no mask (span attention is causal by the keys'
-    distances); refuses padding, which span attention does not mask."""
+    distances, the queries' own keys last); refuses padding, which span attention does not
+    mask, and a cache whose keys do not end at the queries (a static cache)."""
     if attention_mask is not None and not bool(attention_mask.all()):
         raise UserError("adaptive_span attention does not mask padding: give one unpadded "
                         "sequence per row (batches of equal lengths, or batch size 1)")
+    if int(q_offset) + q_length != int(kv_offset) + kv_length:
+        raise UserError("adaptive_span attention needs the queries' keys last: use a "
+                        "DynamicCache or adaspan.hf.SpanCache, not a static cache")
     return None
 
 

@@ -9,22 +9,16 @@ every position it has seen as its length, so positions (rotary or learned) stay 
 
 from __future__ import annotations
 
-import math
-
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from ..errors import UserError
-from .attention import span_modules
+from .attention import attached_spans
 
 
 def windows(model: nn.Module) -> list[int]:
     """Keys each layer needs: min(S, ceil(max z + R)) over its heads, in layer order."""
-    spans = span_modules(model)
-    if not spans:
-        raise UserError("the model has no spans: attach them with adaspan.hf.add_spans(model)")
-    return [min(s.max_span, math.ceil(max(s.host_z()) + s.ramp)) for s in spans]
+    return [max(span.windows(None)) for span in attached_spans(model)]
 
 
 class SpanCache(DynamicCache):

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..attention.span import AdaptiveSpan
-from ..errors import ConfigError, UserError, one_line
-from .attention import NAME, probing, span_modules
+from ..errors import ConfigError, UserError, one_line, require
+from .attention import NAME, attached_spans, probing, span_modules
 
 SPANS_FILE = "adaptive_spans.safetensors"  # z' of every layer, one tensor per layer
 SETTINGS_FILE = "adaptive_spans.json"  # max_span, ramp, per_layer; the spans, for reading
@@ -43,6 +43,9 @@ def _attention_modules(model: nn.Module) -> tuple[list[nn.Module], list[int]]:
     if not found:
         raise ConfigError(f"{type(model).__name__}'s attention never called the "
                           "AttentionInterface: spans cannot be attached")
+    if not all(getattr(m, "is_causal", True) for m, _ in found):
+        raise ConfigError(f"{type(model).__name__} attends to later tokens: spans are for "
+                          "causal language models")
     return [m for m, _ in found], [w for _, w in found if w is not None]
 
 
@@ -55,8 +58,7 @@ def _check_max_span(model: nn.Module, max_span: int | None, windows: list[int]) 
         if not limits:
             raise ConfigError("the model's config gives no max_position_embeddings: give max_span")
         return min(limits)
-    if not isinstance(max_span, int) or max_span < 1:
-        raise ConfigError(f"max_span must be a positive integer, got {max_span!r}")
+    require("max_span", max_span, lambda n: isinstance(n, int) and n >= 1, "a positive integer")
     if limits and max_span > min(limits):
         raise ConfigError(f"max_span={max_span} is longer than the model's positions or "
                           f"sliding window ({min(limits)})")
@@ -67,10 +69,8 @@ def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, ini
               per_layer: bool = False) -> nn.Module:
     """Attach an ``AdaptiveSpan`` (S = ``max_span``, ramp R, z' = ``init``) to every attention
     module of ``model`` and switch it to the ``adaptive_span`` attention; returns ``model``."""
-    if not isinstance(ramp, int) or ramp < 1:
-        raise ConfigError(f"ramp must be a positive integer, got {ramp!r}")
-    if not 0.0 <= init <= 1.0:
-        raise ConfigError(f"init (z' = z / max_span) must lie in [0, 1], got {init!r}")
+    require("ramp", ramp, lambda r: isinstance(r, int) and r >= 1, "a positive integer")
+    require("init", init, lambda z: 0.0 <= z <= 1.0, "z' = z / max_span in [0, 1]")
     modules, windows = _attention_modules(model)
     max_span = _check_max_span(model, max_span, windows)
     n_heads = model.config.num_attention_heads
@@ -83,17 +83,10 @@ def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, ini
     return model
 
 
-def _spans_of(model: nn.Module) -> list[AdaptiveSpan]:
-    spans = span_modules(model)
-    if not spans:
-        raise UserError("the model has no spans: attach them with adaspan.hf.add_spans(model)")
-    return spans
-
-
 def save_spans(model: nn.Module, directory: str | Path) -> None:
     """Write the spans next to ``model.save_pretrained(directory)``: z' of every layer
     (safetensors) and the span settings with each head's span min(S, z + R) (JSON)."""
-    spans, directory = _spans_of(model), Path(directory)
+    spans, directory = attached_spans(model), Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file({f"layers.{i}.z_frac": s.z_frac.detach().float().cpu().contiguous()
                for i, s in enumerate(spans)}, str(directory / SPANS_FILE))
@@ -115,10 +108,11 @@ def load_spans(model: nn.Module, directory: str | Path) -> nn.Module:
     directory = Path(directory)
     try:
         settings = json.loads((directory / SETTINGS_FILE).read_text())
+        options = {key: settings[key] for key in ("max_span", "ramp", "per_layer")}
         tensors = load_file(str(directory / SPANS_FILE))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"no spans in {directory}: {one_line(exc)}") from None
-    add_spans(model, settings["max_span"], settings["ramp"], per_layer=settings["per_layer"])
+    add_spans(model, **options)
     spans = span_modules(model)
     if len(tensors) != len(spans):
         raise UserError(f"{directory} holds the spans of {len(tensors)} layers, the model has "

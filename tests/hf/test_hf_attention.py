@@ -110,8 +110,17 @@ def test_a_model_outside_the_attention_interface_is_refused():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_a_bidirectional_model_is_refused():
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, intermediate_size=64)
+    with pytest.raises(ConfigError, match="causal"):
+        add_spans(transformers.BertForMaskedLM(config).eval())
+
+
 @pytest.mark.parametrize("options", [dict(max_span=97), dict(max_span=0), dict(ramp=0),
-                                     dict(init=1.5)])
+                                     dict(init=1.5), dict(init="full")])
 def test_bad_options_are_one_line_errors(options):
     with pytest.raises(ConfigError) as error:
         add_spans(tiny_hf("gpt2", positions=96), **options)

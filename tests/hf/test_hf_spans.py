@@ -59,3 +59,12 @@ def test_spans_of_another_depth_are_refused(tmp_path):
                                       max_position_embeddings=96)
     with pytest.raises(UserError, match="2 layers"):
         load_spans(transformers.LlamaForCausalLM(config).eval(), tmp_path)
+
+
+def test_a_model_without_spans_is_refused_where_spans_are_read(tmp_path):
+    from adaspan.hf import SpanCache, save_spans
+
+    model = tiny_hf("llama")
+    for call in (lambda: SpanCache(model), lambda: save_spans(model, tmp_path)):
+        with pytest.raises(UserError, match="add_spans"):
+            call()

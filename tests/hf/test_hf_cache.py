@@ -1,7 +1,11 @@
 """SpanCache: greedy generation equals the full cache's, with at most the window of keys held
 per layer; absolute positions kept after truncation."""
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +15,7 @@ import torch
 from helpers import HF_KINDS, tiny_hf
 from transformers import DynamicCache
 
+from adaspan.errors import UserError
 from adaspan.hf import SpanCache, add_spans, kv_bytes, span_modules, windows
 
 PROMPT = torch.randint(0, 64, (1, 50), generator=torch.Generator().manual_seed(3))
@@ -58,6 +63,29 @@ def test_the_cache_holds_no_more_than_the_window_however_long_the_text():
     assert kv_bytes(cache) == 2 * 2 * 3 * 2 * 8 * 4  # layers, keys and values, R - 1 keys
 
 
+def test_a_static_cache_is_refused():
+    model = add_spans(tiny_hf("llama"))
+    with pytest.raises(UserError, match="static cache"):
+        model.generate(PROMPT, max_new_tokens=2, cache_implementation="static")
+
+
 def test_windows_are_the_longest_span_of_each_layer():
     model = add_spans(tiny_hf("gpt2"), max_span=64, ramp=8, init=0.1)
     assert windows(model) == [math.ceil(6.4 + 8)] * 2
+
+
+def test_the_speed_script_prints_bytes_and_speeds_of_both_caches():
+    """``scripts/hf_cache_speed.py`` at a tiny size: one JSON line per context, the span cache
+    holding R - 1 = 31 keys per layer (spans below R) while the full cache holds them all."""
+    script = Path(__file__).parents[2] / "scripts" / "hf_cache_speed.py"
+    done = subprocess.run([sys.executable, str(script), "--contexts", "40,80", "--new", "3",
+                           "--runs", "1", "--spans", "8,16", "--layers", "2", "--width", "32",
+                           "--heads", "2", "--kv-heads", "1"],
+                          capture_output=True, text=True, check=True, timeout=300)
+    lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert [line["context"] for line in lines] == [40, 80]
+    per_key = 2 * 1 * 16 * 4  # keys and values of one head of 16, fp32
+    for line in lines:
+        assert line["span_kv_bytes"] == 2 * 31 * per_key
+        assert line["full_kv_bytes"] == 2 * (line["context"] + 3) * per_key
+        assert line["span_decode_tokens_per_s"] > 0 and line["full_decode_tokens_per_s"] > 0

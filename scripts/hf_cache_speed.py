@@ -1,0 +1,100 @@
+"""Key/value bytes held and decode speed of a Hugging Face Llama at long contexts, side by side
+in one run: the model with adaptive spans over :class:`adaspan.hf.SpanCache` (``span``)
+against the same weights without spans, sdpa attention over transformers' ``DynamicCache``
+(``full``).
+
+    python scripts/hf_cache_speed.py [--contexts 2048,4096,8192] [--new 64] [--runs 3]
+        [--spans 32,64,128,1024] [--layers 4] [--width 256] [--heads 4] [--kv-heads 4]
+        [--threads 1]
+
+The model: a random Llama (vocabulary 256, ``layers`` layers of width ``width``, ``heads``
+query heads, ``kv-heads`` key/value heads, feed-forward 4 x width, fp32), max_span = the longest
+context + ``new``, R = 32, every layer's heads given ``spans`` (z = span - R). For each context,
+a random prompt of that many tokens is run once (prefill, timed), then ``new`` tokens are
+decoded greedily one forward at a time (timed); the two setups alternate run after run and the
+median of ``runs`` runs is reported, with the bytes of keys and values each cache holds at the
+end. Prints one JSON line per context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from adaspan.hf import SpanCache, add_spans, kv_bytes, span_modules
+
+
+def build(args: argparse.Namespace, positions: int) -> tuple:
+    """The model without spans (sdpa) and a copy with the spans, same weights."""
+    config = LlamaConfig(vocab_size=256, hidden_size=args.width, intermediate_size=4 * args.width,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=positions)
+    torch.manual_seed(0)
+    full = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    span = add_spans(copy.deepcopy(full), max_span=positions, ramp=32)  # its own config
+    spans = torch.tensor([float(s) for s in args.spans.split(",")])
+    for module in span_modules(span):
+        module.set_spans(spans)
+    return full, span
+
+
+@torch.inference_mode()
+def decode(model, cache, prompt: torch.Tensor, new: int) -> dict:
+    """Prefill ``prompt``, then ``new`` greedy tokens one forward each: seconds and bytes."""
+    tic = time.perf_counter()
+    logits = model(prompt, cache=cache, use_cache=True).logits
+    prefill = time.perf_counter() - tic
+    tic = time.perf_counter()
+    for _ in range(new):
+        token = logits[:, -1:].argmax(-1)
+        logits = model(token, cache=cache, use_cache=True).logits
+    return {"prefill_s": prefill, "decode_tokens_per_s": new / (time.perf_counter() - tic),
+            "kv_bytes": kv_bytes(cache)}
+
+
+def measure(setups: dict, context: int, args: argparse.Namespace) -> dict:
+    prompt = torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(context))
+    runs: dict[str, list[dict]] = {name: [] for name in setups}
+    for _ in range(args.runs):  # alternated, so that both see the same machine load
+        for name, (model, cache) in setups.items():
+            runs[name].append(decode(model, cache(), prompt, args.new))
+    result = {"context": context}
+    for name, values in runs.items():
+        for key in values[0]:
+            result[f"{name}_{key}"] = round(statistics.median(v[key] for v in values), 4)
+    result["kv_bytes_ratio"] = round(result["span_kv_bytes"] / result["full_kv_bytes"], 4)
+    result["decode_speed_ratio"] = round(result["span_decode_tokens_per_s"]
+                                         / result["full_decode_tokens_per_s"], 3)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="2048,4096,8192")
+    parser.add_argument("--new", type=int, default=64, help="tokens decoded after the prompt")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--spans", default="32,64,128,1024", help="each head's span, tokens")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    full, span = build(args, max(contexts) + args.new)
+    setups = {"span": (span, lambda: SpanCache(span)), "full": (full, DynamicCache)}
+    for context in contexts:
+        line = measure(setups, context, args)
+        print(json.dumps({**line, "spans": args.spans, "threads": args.threads,
+                          "torch": torch.__version__}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
