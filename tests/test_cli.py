@@ -394,3 +394,22 @@ def test_generate_dtype_bfloat16_runs_the_decoder_under_autocast(run_dir, capsys
                      "--dtype", dtype, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["chars"] == 10
     assert seen == [False, True]
+
+
+def test_train_a_rotary_grouped_query_model_and_generate(tmp_path):
+    """``position_table=rotary kv_heads=1`` trains through the command; generation (the
+    model's forward one token at a time, no fast decoder) is greedy decoding by full
+    forward passes."""
+    path = tmp_path / "rotary"
+    assert main(["train", "--preset", "demo", "--run-dir", str(path), "--no-progress",
+                 "--steps", "3", *TINY, "position_table=rotary", "kv_heads=1"]) == 0
+    model = load_model(path).eval()
+    assert model.config.position_table == "rotary" and model.config.kv_heads == 1
+    assert model.layers[0].attn.k.weight.shape == (model.config.d_head, 16)
+    prompt = list(b"In the beginning")
+    sampled = list(stream(model, prompt, 6, top_k=1))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    assert sampled == ids[len(prompt):]

@@ -155,3 +155,22 @@ def test_every_option_has_a_help_line_with_its_choices_and_default(section):
             assert f"({' | '.join(choices)})" in line, item.name
         assert item.default is not MISSING
         assert line.endswith(f"[default: {item.default}]") or "(default" in text  # said once
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(kv_heads=3), "kv_heads must be none or a positive divisor of n_heads=4"),
+    (dict(kv_heads=0), "kv_heads must be"),
+    (dict(position_table="rotary", d_model=12, n_heads=4), "d_head=3 is odd"),
+    (dict(attention="xl", kv_heads=2), "attention=xl has neither kv_heads nor"),
+    (dict(attention="persistent", position_table="rotary"), "for the span attentions"),
+])
+def test_grouped_query_and_rotary_options_are_checked(options, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        tiny_config(**{"attention": "adaptive", **options})
+
+
+def test_grouped_query_and_rotary_options_are_accepted_by_the_span_attentions():
+    for attention in ("fixed", "adaptive", "dynamic"):
+        config = tiny_config(attention, kv_heads=2, position_table="rotary")
+        assert config.key_value_heads == 2
+    assert tiny_config().key_value_heads == tiny_config().n_heads  # kv_heads none: n_heads

@@ -234,3 +234,11 @@ def test_a_newly_registered_variant_needs_no_other_edit(toy_attention):
     assert model.spans() == [[1.0] * 4] * 2 and model.span_loss().item() == 0.0
     for check in CHECKS:
         check(toy_attention)
+
+
+@pytest.mark.parametrize("attention", [name for name in VARIANTS
+                                       if ATTENTIONS[name].span_of is not None])
+@pytest.mark.parametrize("check", [*CHECKS, check_key_value_cache],
+                         ids=lambda check: check.__name__[len("check_"):])
+def test_contract_with_rotary_grouped_query_heads(check, attention):
+    check(attention, position_table="rotary", kv_heads=2)

@@ -25,7 +25,7 @@ DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # what --device accepts
 
 TRUNCATIONS = ("head", "layer", "none")
 SPAN_PER = ("head", "layer")
-POSITION_TABLES = ("model", "layer")
+POSITION_TABLES = ("model", "layer", "rotary")
 OPTIMIZERS = ("adagrad", "adamw")
 CLIP_MODES = ("per-tensor-lr", "global")
 
@@ -133,7 +133,9 @@ class ModelConfig(Options):
     truncation: str = option("head", "keys read: per-head windows | the longest head of the "
                              "layer | always max_span", choices=TRUNCATIONS)
     position_table: str = option("model", "one p_d table for all layers (paper) | one per "
-                                 "layer (adaspan 0.1)", choices=POSITION_TABLES)
+                                 "layer (adaspan 0.1) | none: rotary embeddings of q and k "
+                                 "(span attentions; keys at distances 0..S-1, the query's "
+                                 "own included)", choices=POSITION_TABLES)
     factorized_stride: int = option(128, "stride l of the factorized (Sparse Transformer) "
                                     "pattern (seed: 128, 256)")
     factorized_c: int = option(8, "summary positions c per stride of the factorized pattern "
@@ -153,6 +155,9 @@ class ModelConfig(Options):
     div_val: int = option(4, "adaptive_io: cluster i has dimension d_model // div_val**i")
     tie_io: bool = option(True, "adaptive_io: the softmax shares the input's embeddings and "
                           "projections (true | false)")
+    kv_heads: int | None = option(None, "key/value heads (span attentions): n_heads (none, "
+                                  "default) or a divisor of it, each shared by n_heads / "
+                                  "kv_heads query heads (grouped-query attention)")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_inner", "max_span",
@@ -171,6 +176,7 @@ class ModelConfig(Options):
         self._check_variant()
         self._check_span_can_adapt()
         self._check_adaptive_io()
+        self._check_heads_and_positions()
 
     def _check_variant(self) -> None:
         """The options the registered attention checks itself (``check`` of
@@ -210,6 +216,26 @@ class ModelConfig(Options):
         self._require("div_val", lambda v: self.d_model // v ** len(ids) >= 1,
                       f"small enough that d_model={self.d_model} // div_val**{len(ids)} "
                       "(the last cluster's dimension) is >= 1")
+
+    def _check_heads_and_positions(self) -> None:
+        """``kv_heads`` divides ``n_heads``; rotary positions turn pairs of a head's
+        dimensions (an even ``d_head``); both are computed by the span attentions alone."""
+        self._require("kv_heads", lambda v: v is None or (_is_int(v) and v > 0
+                                                          and self.n_heads % v == 0),
+                      f"none or a positive divisor of n_heads={self.n_heads}")
+        rotary = self.position_table == "rotary"
+        self._require("position_table", lambda v: not rotary or self.d_head % 2 == 0,
+                      f"model or layer where d_head={self.d_head} is odd (rotary turns pairs)")
+        if ((rotary or self.key_value_heads != self.n_heads)
+                and ATTENTIONS[self.attention].span_of is None):
+            raise ConfigError(f"attention={self.attention} has neither kv_heads nor "
+                              "position_table=rotary: they are for the span attentions ("
+                              + ", ".join(VariantNames(lambda v: v.span_of is not None)) + ")")
+
+    @property
+    def key_value_heads(self) -> int:
+        """Key/value heads of a layer: ``kv_heads``, or ``n_heads`` where it is none."""
+        return self.n_heads if self.kv_heads is None else self.kv_heads
 
     @property
     def cutoff_ids(self) -> tuple[int, ...]:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from reference import reference_span_attention
 
 from adaspan.attention import functional
 from adaspan.attention.functional import key_window, span_attention
-from tests.reference import reference_span_attention
 
 S, R, D = 16, 4.0, 8
 
@@ -135,3 +140,15 @@ def test_shapes_are_checked(shapes, message):
     with pytest.raises(ValueError, match="broadcastable"):
         span_attention(torch.randn(1, 4, 3, 8), torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8),
                        torch.ones(3, 4, 1), max_span=S, ramp=R)
+
+
+def test_the_speed_script_prints_both_paths():
+    """``scripts/functional_speed.py`` at a tiny size: its JSON line has both paths' times."""
+    script = Path(__file__).parents[2] / "scripts" / "functional_speed.py"
+    done = subprocess.run([sys.executable, str(script), "--tokens", "64", "--max-span", "48",
+                           "--spans", "34,40", "--runs", "1", "--d-head", "8"],
+                          capture_output=True, text=True, check=True, timeout=300)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("prefill", "decode"):
+        assert result[name]["span_attention_ms"] > 0 and result[name]["dense_ms"] > 0
+        assert result[name]["max_abs_difference"] < 1e-4  # the same attention

@@ -130,3 +130,13 @@ def test_decoder_under_bfloat16_autocast_is_close_to_the_model_forward(name, sta
                         generator=torch.Generator().manual_seed(0))
     assert decoded.dtype == torch.float32 and len(text) == 20
     assert (decoded - reference.float()).abs().max() < 0.1  # bf16 rounding: about 0.04
+
+
+@pytest.mark.parametrize("changes", [dict(position_table="rotary"), dict(kv_heads=2)])
+def test_rotary_and_grouped_query_models_decode_through_the_model_forward(changes):
+    model = tiny("adaptive", **changes)
+    assert not Decoder.handles(model)
+    with torch.no_grad():
+        _, cache = model(_tokens(model, 5), model.empty_cache(1, keys_values=True))
+    with pytest.raises(ValueError, match="decodes through its own forward"):
+        Decoder(model, cache, 5)

@@ -95,3 +95,14 @@ def test_a_run_that_cannot_start_is_refused_before_writing(tmp_path, corpus_file
     with pytest.raises(OutOfMemory, match="one stream per slice"):
         run_quietly(tmp_path / "run", tiny_train_config(corpus_file, memory_limit=limit), MODEL)
     assert not (tmp_path / "run").exists()
+
+
+def test_evaluation_memory_counts_the_key_value_heads():
+    model = tiny("adaptive", kv_heads=1, position_table="rotary")
+    streams, block = 2, 16
+    with torch.no_grad():
+        _, cache = model(torch.randint(0, 32, (streams, block)),
+                         model.empty_cache(streams, keys_values=True))
+    held = sum(c.buffers.keys.nbytes + c.buffers.values.nbytes for c in cache)
+    assert evaluation_memory(model, streams, block) == held
+    assert held * 4 == evaluation_memory(tiny("adaptive"), streams, block)  # 1 head of 4

@@ -130,15 +130,16 @@ class _BandSoftmax(torch.autograd.Function):
     or None (no positions: rotary, or none);
     log_mask: None, or log m_z of the first ``width`` columns of ``position`` (broadcastable);
     normaliser: return ``(attn, lse)``, also the log-sum-exp of each row's scores (whose
-    gradient flows back to the scores as ``attn`` times it).
+    gradient flows back to the scores as ``attn`` times it); ``start``: the keys of index below
+    it in the padded sequence (q's chunks are the third dimension from the end) are absent.
     The tile is written once by the product, the positions are added through its band view
     and the band's complement is filled with -inf in place (no skew copy, no separate score
     tiles); the backward reads the gradients of ``position`` and ``log_mask`` from the band.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k_t: Tensor, position: Tensor, log_mask: Tensor | None,
-                normaliser: bool = False):
+    def forward(ctx, q: Tensor, k_t: Tensor, position: Tensor | None, log_mask: Tensor | None,
+                normaliser: bool = False, start: int = 0):
         lead, c = q.shape[:-2], q.shape[-2]
         w = k_t.shape[-1] - c + 1
         ctx.shapes, ctx.positions = (q.shape, k_t.shape), position is not None
@@ -152,6 +153,9 @@ class _BandSoftmax(torch.autograd.Function):
         if log_mask is not None:
             band[..., : log_mask.shape[-1]].add_(log_mask)
         _band(scores, c, start=w).fill_(-math.inf)
+        for i in range(min(-(-start // c), scores.shape[-3])):  # chunk i's columns below
+            # ``start`` (keys i c + j of the padded sequence) are absent keys
+            scores[..., i, :, : start - i * c].fill_(-math.inf)
         lse = torch.logsumexp(scores, -1) if normaliser else None
         attn = _softmax_in_place(scores)  # the tile is ours
         ctx.save_for_backward(q, k_t, attn)
@@ -175,7 +179,7 @@ class _BandSoftmax(torch.autograd.Function):
             shape, dtype = ctx.log_mask
             grad_mask = band[..., : shape[-1]].sum_to_size(shape).to(dtype)
         grad_position = band.to(q.dtype) if ctx.positions else None
-        return grad_q, grad_k, grad_position, grad_mask, None
+        return grad_q, grad_k, grad_position, grad_mask, None, None
 
 
 class _Windows(torch.autograd.Function):
@@ -273,6 +277,7 @@ def banded_attention(
     n = -(-M // c)
     if z is not None and z_min is None:
         z_min = z.detach().min().item()
+    width = 0 if z is None else ramp_columns(w, z_min)  # distance columns where m_z < 1
     if n * c != M:
         q = F.pad(q, (0, 0, 0, n * c - M))
         k, v = (F.pad(t, (0, 0, 0, w + n * c - k.shape[2])) for t in (k, v))
@@ -282,37 +287,19 @@ def banded_attention(
         z = z[..., None, None] if z.shape[-1] == 1 else z.unflatten(-1, (n, c))[..., None]
     # Position scores q . p_d in "distance layout": column j holds distance d = w - j.
     position = None if pos is None else q @ pos.flip(0).t()  # (B, H, n, c, w)
-    log_mask = _band_log_mask(w, n, c, z, z_min, ramp, start, q.device)
+    log_mask = None
+    if width:  # eq. 2: m_z(d) exp(s) = exp(s + log m_z(d)), added where m_z < 1 only
+        distance = torch.arange(w, w - width, -1, device=q.device, dtype=torch.float32)
+        log_mask = log_soft_mask(distance, z, ramp)  # fp32: distances exact up to 2**24
     length = w + c - 1  # keys of a chunk's window: key j of it is column j of the scores
     k_win, v_win = (_windows(t, length, c, n) for t in (k, v))  # (B, H, n, L, dh)
     # keys gathered row-wise (a copy only for several chunks), then read transposed by the BLAS
     k_t = k_win.flatten(0, 2).transpose(-1, -2)  # (B*H*n, dh, L)
-    attn = _BandSoftmax.apply(q, k_t, position, log_mask, normaliser)  # eqs. 1-2
+    attn = _BandSoftmax.apply(q, k_t, position, log_mask, normaliser, start)  # eqs. 1-2
     attn, lse = attn if normaliser else (attn, None)
     attn = F.dropout(attn, dropout, training)
     out = (attn.to(v_win.dtype) @ v_win).flatten(2, 3)[:, :, :M]  # eq. 3; attn is fp32
     return (out, lse.flatten(2, 3)[:, :, :M]) if normaliser else out
-
-
-def _band_log_mask(w: int, n: int, c: int, z: Tensor | None, z_min: float | None, ramp: int,
-                   start: int, device: torch.device) -> Tensor | None:
-    """What eq. 2 adds to the first columns of the distance layout (column j: distance
-    w - j): log m_z(d) where m_z < 1 (m_z(d) exp(s) = exp(s + log m_z(d))), and -inf at the
-    keys before ``start`` (query t of chunk row i reads key index t + j); None if nothing."""
-    width = 0 if z is None else ramp_columns(w, z_min)  # distance columns where m_z < 1
-    width = max(width, min(start, w))
-    if not width:
-        return None
-    log_mask = None
-    if z is not None:  # fp32: distances exact up to 2**24
-        distance = torch.arange(w, w - width, -1, device=device, dtype=torch.float32)
-        log_mask = log_soft_mask(distance, z, ramp)
-    if start:
-        query = torch.arange(n * c, device=device).view(n, c, 1)
-        absent = torch.arange(width, device=device) < start - query  # (n, c, width)
-        hidden = torch.zeros(absent.shape, device=device).masked_fill_(absent, -math.inf)
-        log_mask = hidden if log_mask is None else log_mask + hidden
-    return log_mask
 
 
 def _windows(x: Tensor, length: int, step: int, n: int) -> Tensor:

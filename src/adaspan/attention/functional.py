@@ -30,6 +30,19 @@ def key_window(z_max: float, max_span: int, ramp: float, bucket: int = 1) -> int
     return min(max_span, window)
 
 
+def rotate(x: Tensor, first: int, base: float = 10000.0) -> Tensor:
+    """Rotary positions (Su et al. 2021) of ``x`` (B, H, T, d) at positions first .. first
+    + T - 1: each pair (x_i, x_{i + d/2}) turned by the angle t base ** (-2i / d), so that a
+    rotated query and key score a function of their distance alone (the halves' pairing of
+    GPT-NeoX and Hugging Face models)."""
+    T, d = x.shape[-2:]
+    frequency = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angle = torch.arange(first, first + T, device=x.device, dtype=torch.float32)[:, None]
+    angle = torch.cat([angle * frequency] * 2, dim=-1)  # (T, d)
+    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    return (x * angle.cos() + half * angle.sin()).to(x.dtype)
+
+
 def span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, *, max_span: int,
                    ramp: float, pos: Tensor | None = None, scale: float | None = None,
                    dropout: float = 0.0, training: bool = False, z_min: float | None = None
@@ -50,11 +63,21 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, *, max_spa
         q = q * (scale * d**0.5)
     z = None if z is None else _per_head(z, B, Hq, M)
     groups = _groups(z, Hq, max_span, ramp, T, z_min)
+    return grouped_span_attention(q, k, v, z, groups, ramp, pos, dropout, training)
+
+
+def grouped_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,
+                           groups: list[tuple[int, list[int], float]], ramp: float,
+                           pos: Tensor | None = None, dropout: float = 0.0,
+                           training: bool = False) -> Tensor:
+    """:func:`span_attention` (scale d ** -0.5, z (B|1, Hq, M|1) or None) with the heads
+    grouped by the caller: ``groups`` of (key window w <= T, query heads, least z of those
+    heads), each head's window at least ``key_window`` of its greatest z."""
     outputs = [_group_attention(q, k, v, pos, z, window, heads, z_least, ramp, dropout,
                                 training) for window, heads, z_least in groups]
     if len(outputs) == 1:
         return outputs[0].to(q.dtype)
-    out = q.new_empty(B, Hq, M, d)
+    out = q.new_empty(q.shape)
     for (_, heads, _), o in zip(groups, outputs, strict=True):
         out[:, heads] = o.to(q.dtype)
     return out

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from . import fused
 from .band import banded_attention
 from .cache import KeyValueCache, advance, fit_cache
+from .functional import grouped_span_attention, rotate
 from .fused import KERNELS
 from .registry import register_attention
 from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, windows_of
@@ -49,6 +50,7 @@ class Attention(nn.Module):
     shared_positions = False
     d_model: int
     d_head: int
+    kv_width: int | None = None  # width of the key and value projections (None: d_model)
 
     def reach(self, block_size: int) -> list[float]:
         """Effective span of each head with blocks of ``block_size``: the farthest distance
@@ -62,10 +64,12 @@ class Attention(nn.Module):
 
     def flops_per_char(self, block_size: int) -> float:
         """Multiply-adds per character (the paper's FLOPS convention, Tables 1-2): the four
-        d x d projections, and per key a head attends to one product with the query,
-        q . (k + p), and one with the value: ``2 d_head`` per key."""
+        projections (d x d; those of keys and values d x ``kv_width``), and per key a
+        head attends to one product with the query, q . (k + p), and one with the value:
+        ``2 d_head`` per key."""
         keys = sum(self.keys_per_query(block_size))
-        return 4 * self.d_model**2 + 2 * self.d_head * keys
+        projections = 2 * self.d_model * (self.d_model + (self.kv_width or self.d_model))
+        return projections + 2 * self.d_head * keys
 
     def empty_cache(self, batch_size: int, keys_values: bool = False) -> Tensor | KeyValueCache:
         """Cache of a stream's start: no history (read as zero hidden states). This variant
@@ -98,18 +102,26 @@ class SpanAttention(Attention):
         self.d_model, self.max_span, self.ramp = d, config.max_span, config.ramp
         self.bucket, self.truncation, self.dropout = (config.span_bucket, config.truncation,
                                                       config.dropout)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.kv_heads = config.key_value_heads  # each read by n_heads / kv_heads query heads
+        self.kv_width = d_kv = self.kv_heads * self.d_head
+        self.q, self.k, self.v, self.o = (nn.Linear(d, n, bias=False) for n in (d, d_kv, d_kv, d))
         for proj in (self.q, self.k, self.v, self.o):  # paper: U(-1/sqrt(d), 1/sqrt(d))
             nn.init.uniform_(proj.weight, -(d**-0.5), d**-0.5)
         self.shared_positions = config.position_table == "model"
+        self.rotary = config.position_table == "rotary"
+        # functional: rotary or grouped-query heads, computed by functional.span_attention's
+        # convention (keys at distances 0 .. S-1, the query's own included)
+        self.functional = self.rotary or self.kv_heads != self.n_heads
         # p_d, d = 1..S: here only with position_table="layer"; else the model passes its own
-        self.pos = (None if self.shared_positions
+        self.pos = (None if self.shared_positions or self.rotary
                     else nn.Parameter(torch.randn(config.max_span, config.d_head)))
         self.span = span
         self._last_layout: tuple[tuple, _Layout] | None = None  # ((windows, device), layout)
 
     def positions(self, pos: Tensor | None) -> Tensor:
-        """The table p_d this layer reads: its own, or the model's ``pos``."""
+        """The table p_d this layer reads: its own, or the model's ``pos`` (None: rotary)."""
+        if self.rotary:
+            return None
         if (pos is None) != self.shared_positions:
             return self.pos if pos is None else pos
         raise ValueError(
@@ -121,7 +133,7 @@ class SpanAttention(Attention):
         """No history; ``keys_values=True`` gives a :class:`KeyValueCache` (inference only)."""
         if not keys_values:
             return super().empty_cache(batch_size)
-        like = self.q.weight.new_zeros(batch_size, self.n_heads, 0, self.d_head)
+        like = self.q.weight.new_zeros(batch_size, self.kv_heads, 0, self.d_head)
         return KeyValueCache.empty(like)
 
     def key_windows(self, z: Tensor | None) -> list[int]:
@@ -147,7 +159,9 @@ class SpanAttention(Attention):
         layout = self._layout(tuple(self._key_windows(bounds)), x.device)
         history = self.max_span if self.span.input_dependent else layout.longest
         q = self.q(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
-        if self.uses_fused(x):
+        if self.functional:
+            out, new_cache = _functional_heads(self, x, q, cache, z, bounds, layout, history)
+        elif self.uses_fused(x):
             out, new_cache = _fused_heads(self, x, q, cache, pos, z, bounds, layout, history)
         else:
             out, new_cache = _grouped_heads(self, x, q, cache, pos, z, bounds, layout, history)
@@ -204,7 +218,7 @@ class SpanAttention(Attention):
                 "of cached positions are recomputed with the current weights, so pass hidden "
                 "states (model.empty_cache(batch_size)) instead")
         B, M, _ = x.shape
-        new_k, new_v = (proj(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
+        new_k, new_v = (proj(x).view(B, M, self.kv_heads, self.d_head).transpose(1, 2)
                         for proj in (self.k, self.v))
         return cache.extend(new_k, new_v, history)
 
@@ -225,6 +239,33 @@ def _grouped_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | Ke
     else:
         keys_values, new_cache = attn._projected_keys_values(x, cache, history)
     return _by_group(attn, q, keys_values, pos, z, bounds, layout, history), new_cache
+
+
+def _functional_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyValueCache,
+                      z: Tensor | None, bounds: tuple | None, layout: _Layout, history: int
+                      ) -> tuple[Tensor, Tensor | KeyValueCache]:
+    """The outputs (B, M, H, dh) of rotary or grouped-query heads with
+    :func:`~adaspan.attention.functional.grouped_span_attention` (keys at distances 0 .. w - 1,
+    each head group over its window), and the new cache. The keys of the cached states are
+    recomputed, and rotary positions count from the first of the T = history + M keys: the
+    same relative positions whatever the block."""
+    if isinstance(cache, KeyValueCache):  # keys kept unrotated, turned at every block
+        keys, values, new_cache = attn._cached_keys_values(x, cache, history)
+    else:
+        past = fit_cache(cache, history).to(x)  # (B, history, D)
+        states = torch.cat([past, x], dim=1)
+        keys, values = (attn._heads(proj(states)) for proj in (attn.k, attn.v))
+        new_cache = advance(past, x, history)
+    T, M = keys.shape[2], q.shape[2]
+    if attn.rotary:
+        q, keys = rotate(q, T - M), rotate(keys, 0)
+    groups = [(min(g.window, T), list(g.members),
+               0.0 if bounds is None else min(bounds[0][h] for h in g.members))
+              for g in layout.groups]
+    dropout = attn.dropout if attn.training else 0.0
+    out = grouped_span_attention(q, keys, values, z, groups, attn.ramp, dropout=dropout,
+                                 training=attn.training)
+    return out.transpose(1, 2), new_cache
 
 
 def _sliced(keys: Tensor, values: Tensor):

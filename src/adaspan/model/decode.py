@@ -33,7 +33,8 @@ autocast itself off inside a step (its casts are done once). With adaptive input
 softmax (``adaptive_io``), the token is embedded and the log-probabilities computed by the
 model's own modules (:mod:`adaspan.model.adaptive_io`: no host synchronisation, static shapes), in
 the parameters' dtype. Other variants (the baselines, persistent memory) and layers without
-the feed-forward decode through the model's own forward: :func:`decoder` picks.
+the feed-forward, and rotary or grouped-query heads, decode through the model's own forward:
+:func:`decoder` picks.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ class _Decoding:
 
     def __init__(self, model: SpanLM, cache: Cache, position: int,
                  layer_type: type[_LayerDecoder]) -> None:
+        if not self.handles(model):
+            raise ValueError("this model decodes through its own forward (its attention is "
+                             "not plain span attention, e.g. rotary or grouped-query heads): "
+                             "use decoder(model, cache, position)")
         weight = model.layers[0].attn.q.weight
         self.dtype = dtype = _compute_dtype(weight)
         self.layers = [layer_type(layer, model.pos, layer_cache, position, dtype)
@@ -113,9 +118,11 @@ class _Decoding:
 
     @staticmethod
     def handles(model: SpanLM) -> bool:
-        """Whether every layer is plain span attention (subclasses, e.g. ``vanilla``, are not)
-        followed by the feed-forward sublayer."""
+        """Whether every layer is plain span attention (subclasses, e.g. ``vanilla``, are not;
+        nor are rotary or grouped-query heads, ``SpanAttention.functional``) followed by the
+        feed-forward sublayer."""
         return model.config.feed_forward and all(type(layer.attn) is SpanAttention
+                                                 and not layer.attn.functional
                                                  for layer in model.layers)
 
     def _output(self, x: Tensor) -> Tensor:

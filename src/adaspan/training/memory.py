@@ -104,7 +104,7 @@ def evaluation_memory(model: SpanLM, streams: int, block_size: int,
     autocast, whose keys and values are bf16): per layer, keys and values of the history its
     heads see (the longest span, S for spans that depend on the tokens) in buffers with room
     for the next blocks (:class:`adaspan.attention.cache.KeyValueCache`: history + block +
-    max(block, HEADROOM, history))."""
+    max(block, HEADROOM, history)), of the layer's key/value heads."""
     config, total = model.config, 0
     value_bytes = value_bytes or next(model.parameters()).element_size()
     for layer_spans in model.spans():
@@ -112,7 +112,8 @@ def evaluation_memory(model: SpanLM, streams: int, block_size: int,
         if not model.span_type.input_dependent:
             span = min(span, math.ceil(max(layer_spans) / config.span_bucket) * config.span_bucket)
         capacity = span + block_size + max(block_size, HEADROOM, span)
-        total += 2 * streams * config.d_model * capacity * value_bytes
+        width = config.key_value_heads * config.d_head  # keys of kv_heads heads
+        total += 2 * streams * width * capacity * value_bytes
     return total
 
 
