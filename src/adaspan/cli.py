@@ -699,16 +699,19 @@ def _add_retrofit(commands) -> None:
     p.add_argument("--ramp", type=_positive_int, default=default.ramp, help="ramp R")
     p.add_argument("--context", type=_positive_int, default=default.context,
                    help="tokens per window (training, scoring and decoding)")
-    p.add_argument("--steps", type=_positive_int, default=default.steps)
-    p.add_argument("--batch-size", type=_positive_int, default=default.batch_size)
+    p.add_argument("--steps", type=_positive_int, default=default.steps,
+                   help="optimiser steps of the spans")
+    p.add_argument("--batch-size", type=_positive_int, default=default.batch_size,
+                   help="windows per step")
     p.add_argument("--lr", type=_positive_float, default=default.lr, help="Adam's step on z'")
     p.add_argument("--span-loss", type=float, default=default.span_loss,
                    help="lambda of the span penalty lambda/M * sum z")
     p.add_argument("--loss", choices=LOSSES, default=default.loss, help="distill: KL to the "
                    "frozen model with full attention; lm: the text's NLL; both: their sum")
-    p.add_argument("--seed", type=int, default=default.seed)
+    p.add_argument("--seed", type=int, default=default.seed,
+                   help="the windows of each step are drawn from (seed, step)")
     p.add_argument("--checkpoint-interval", type=_positive_int,
-                   default=default.checkpoint_interval)
+                   default=default.checkpoint_interval, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the retrofit in --out")
     p.add_argument("--eval-bytes", type=_positive_int, default=65536,
                    help="held-out bytes the report scores")
