@@ -7,7 +7,7 @@ as one JSON document.
         --data /work/shared/corpora/gcide.txt.gz --out /work/evidence/retrofit \
         --span-losses 1e-3,3e-3 --steps 200 --lock /tmp/adaspan-bench.lock
 
-Training runs without the lock; each report (its timings) runs holding ``--lock`` (``flock``),
+Training and scoring run without the lock; the decode timings run holding ``--lock`` (``flock``),
 so that it never overlaps another benchmark that takes the same lock. Finished retrofits in
 ``--out`` are measured again, not retrained: ``--train-only`` runs in parallel, then one call
 that measures them all one after the other.
@@ -83,9 +83,8 @@ def run_one(args: argparse.Namespace, span_loss: float) -> dict:
                    resume=(out / STATE_FILE).is_file(), progress=False)
     if args.train_only:
         return {"span_loss": span_loss, "steps": run.step}
-    with locked(args.lock) if args.lock else nullcontext():
-        report = measure(run, choose(args.dtype, cpu, "score"), args.eval_bytes,
-                         args.decode_tokens, args.rounds)
+    report = measure(run, choose(args.dtype, cpu, "score"), args.eval_bytes, args.decode_tokens,
+                     args.rounds, locked(args.lock) if args.lock else nullcontext())
     write(out, report)
     return {"span_loss": span_loss, "steps": run.step, **summary(report)}
 
