@@ -49,6 +49,7 @@ LAYERS = {
     "measure/report": 24,
     "measure/compare": 25, "measure/demo": 25, "measure/__init__": 25,
     "cli": 26, "__init__": 27,
+    "training/retrofit": 20, "measure/retrofit_report": 23,
 }
 
 

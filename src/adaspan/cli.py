@@ -1,5 +1,5 @@
 """The ``adaspan`` command line: train, evaluate, generate, inspect, report, bench, download,
-presets, demo, compare, convert-official.
+presets, demo, compare, convert-official, retrofit.
 
 A failure the user can act on (a :class:`~adaspan.errors.UserError`, an OSError, a
 MemoryError) ends with one line and exit status 2; any other exception is a bug in adaspan,
@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     commands = parser.add_subparsers(metavar="COMMAND")
     for add in (_add_train, _add_evaluate, _add_generate, _add_inspect, _add_report, _add_bench,
-                _add_download, _add_presets, _add_demo, _add_compare, _add_convert_official):
+                _add_download, _add_presets, _add_demo, _add_compare, _add_convert_official,
+                _add_retrofit):
         add(commands)
     return parser
 
@@ -676,6 +677,74 @@ def _convert_official(args: argparse.Namespace) -> int:
     model = convert(args.checkpoint, args.out_dir, args.data, args.ramp, args.dropout,
                     args.span_loss_coef)
     print(f"wrote {args.out_dir}: {model}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- retrofit
+
+
+def _add_retrofit(commands) -> None:
+    from .training.retrofit import LOSSES, RetrofitConfig
+
+    p = _command(commands, "retrofit", _retrofit)
+    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR",
+                   help="a Hugging Face causal LM and its tokenizer (save_pretrained)")
+    p.add_argument("--data", required=True, metavar="TEXT", help="text file (plain, .gz or "
+                   ".zip) or corpus name: spans learn on its train split, the report scores "
+                   "its valid split (adaspan's 90/5/5 split)")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="new directory: the model with its spans, the report, the checkpoint")
+    default = RetrofitConfig("", "", "")
+    p.add_argument("--max-span", type=_positive_int, help="S (default: --context)")
+    p.add_argument("--ramp", type=_positive_int, default=default.ramp, help="ramp R")
+    p.add_argument("--context", type=_positive_int, default=default.context,
+                   help="tokens per window (training, scoring and decoding)")
+    p.add_argument("--steps", type=_positive_int, default=default.steps,
+                   help="optimiser steps of the spans")
+    p.add_argument("--batch-size", type=_positive_int, default=default.batch_size,
+                   help="windows per step")
+    p.add_argument("--lr", type=_positive_float, default=default.lr, help="Adam's step on z'")
+    p.add_argument("--span-loss", type=float, default=default.span_loss,
+                   help="lambda of the span penalty lambda/M * sum z")
+    p.add_argument("--loss", choices=LOSSES, default=default.loss, help="distill: KL to the "
+                   "frozen model with full attention; lm: the text's NLL; both: their sum")
+    p.add_argument("--seed", type=int, default=default.seed,
+                   help="the windows of each step are drawn from (seed, step)")
+    p.add_argument("--checkpoint-interval", type=_positive_int,
+                   default=default.checkpoint_interval, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue the retrofit in --out")
+    p.add_argument("--eval-bytes", type=_positive_int, default=65536,
+                   help="held-out bytes the report scores")
+    p.add_argument("--decode-tokens", type=_positive_int, default=64,
+                   help="tokens decoded at the full context for the speed")
+    _add_runtime(p, "bf16 for training where the device has fast bf16, fp32 for the report")
+    _add_output(p, "print the report as JSON", progress=True)
+
+
+def _retrofit(args: argparse.Namespace) -> int:
+    """Learn a span per head for a frozen Hugging Face causal LM.
+
+    Freeze every weight of MODEL_DIR, attach an adaptive span to each attention layer (at
+    its full span S) and train only the spans: distillation towards the model's own
+    full-attention outputs (and/or the text's loss) plus the span penalty. Writes to --out the
+    model with its spans (adaspan.hf.load_model reads it) and a report, retrofit.json and
+    retrofit.md: spans per head, held-out bits per byte, key/value cache bytes and decode
+    speed, with full attention and with the spans (see docs/retrofit.md)."""
+    from .data.corpora import resolve_data
+    from .measure.retrofit_report import markdown, measure, write
+    from .training.precision import choose
+    from .training.retrofit import RetrofitConfig, retrofit
+
+    config = RetrofitConfig(
+        str(args.model_dir.resolve()), resolve_data(args.data), str(args.out.resolve()),
+        args.max_span, args.ramp, args.context, args.steps, args.batch_size, args.lr,
+        args.span_loss, args.loss, args.seed, args.checkpoint_interval)
+    run = retrofit(config, choose(args.dtype, args.device, "train"), args.resume,
+                   progress=not args.no_progress)
+    report = measure(run, choose(args.dtype, args.device, "score"), args.eval_bytes,
+                     args.decode_tokens)
+    write(args.out, report)
+    print(_json_line(report) if args.json else markdown(report), end="\n" if args.json else "")
     return 0
 
 

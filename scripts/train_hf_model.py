@@ -1,0 +1,143 @@
+"""Train a small Hugging Face ``LlamaForCausalLM`` (rotary positions, grouped-query attention,
+full attention) on a text corpus with byte tokens, and save it with its tokenizer, ready for
+``adaspan retrofit``.
+
+    OMP_NUM_THREADS=1 nice -n 19 python scripts/train_hf_model.py \
+        --data /work/shared/corpora/gcide.txt.gz --out /work/evidence/llama --minutes 35
+
+The corpus is read and split by adaspan (``load_corpus``: 90/5/5, contiguous); training reads
+random windows of ``--context`` bytes of the train split, validation scores the first
+``--valid-bytes`` of the valid split in windows of ``--context``. Tokens are bytes: the model
+directory holds a ``ByT5Tokenizer`` (byte b is id b + 3 after pad, eos, unk), so
+``AutoTokenizer.from_pretrained(out)`` encodes text as the model was trained. Each log line is
+one JSON record (step, seconds, loss in bits per byte, learning rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+from adaspan.data.corpora import load_corpus
+
+OFFSET = 3  # ByT5: pad 0, eos 1, unk 2, then the 256 bytes
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--data", required=True, help="corpus: a text file (plain or .gz) or adaspan corpus name")
+    add("--out", type=Path, required=True, help="directory of the saved model and tokenizer")
+    add("--context", type=int, default=1024)
+    add("--d-model", type=int, default=256)
+    add("--layers", type=int, default=4)
+    add("--heads", type=int, default=8)
+    add("--kv-heads", type=int, default=2)
+    add("--d-ff", type=int, default=688)
+    add("--batch-size", type=int, default=4)
+    add("--lr", type=float, default=2e-3)
+    add("--warmup", type=int, default=100)
+    add("--steps", type=int, default=1000, help="steps of the schedule (linear decay to 0)")
+    add("--minutes", type=float, default=None, help="stop (and save) after this wall time")
+    add("--log-every", type=int, default=10)
+    add("--save-every", type=int, default=200)
+    add("--valid-bytes", type=int, default=65536)
+    add("--threads", type=int, default=1, help="torch's CPU threads (0: its default)")
+    add("--bf16", action="store_true", help="bf16 autocast (fast where the CPU has bf16)")
+    add("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
+    """A Llama of ``--layers`` layers, d_head = d_model / heads, tied embeddings."""
+    config = LlamaConfig(
+        vocab_size=256 + OFFSET, hidden_size=args.d_model, intermediate_size=args.d_ff,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, max_position_embeddings=args.context,
+        tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+def batch(tokens: np.ndarray, rng: np.random.Generator, size: int, context: int) -> torch.Tensor:
+    """``size`` random windows of ``context`` token ids (the model predicts all but the first)."""
+    starts = rng.integers(0, len(tokens) - context, size)
+    rows = np.stack([tokens[s : s + context] for s in starts]).astype(np.int64)
+    return torch.from_numpy(rows + OFFSET)
+
+
+@torch.no_grad()
+def bits_per_byte(model: LlamaForCausalLM, tokens: np.ndarray, context: int) -> float:
+    """Mean NLL in bits of every byte but the first of each window of ``context`` bytes."""
+    model.eval()
+    ids = torch.from_numpy(tokens.astype(np.int64) + OFFSET)
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, context):
+        window = ids[start : start + context][None]
+        loss = model(window, labels=window).loss
+        n = window.shape[1] - 1
+        total, count = total + loss.item() * n, count + n
+    model.train()
+    return total / count / math.log(2)
+
+
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    """Linear warm-up over ``--warmup`` steps, then linear decay to 0 at ``--steps``."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    return args.lr * max(0.0, 1 - (step - args.warmup) / max(1, args.steps - args.warmup))
+
+
+def save(model: LlamaForCausalLM, out: Path) -> None:
+    model.save_pretrained(out)
+    ByT5Tokenizer(extra_ids=0).save_pretrained(out)
+
+
+def train(args: argparse.Namespace) -> dict:
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    corpus = load_corpus(args.data, progress=False)
+    rng = np.random.default_rng(args.seed)
+    model = build_model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
+                                  weight_decay=0.01)
+    start, step = time.perf_counter(), 0
+    print(json.dumps({"parameters": sum(p.numel() for p in model.parameters()),
+                      "train_bytes": len(corpus.train)}), flush=True)
+    for step in range(1, args.steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args, step - 1)
+        x = batch(corpus.train, rng, args.batch_size, args.context)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(x, labels=x).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        seconds = time.perf_counter() - start
+        if step % args.log_every == 0 or step == 1:
+            print(json.dumps({"step": step, "seconds": round(seconds, 1),
+                              "bpb": round(loss.item() / math.log(2), 4),
+                              "lr": optimizer.param_groups[0]["lr"]}), flush=True)
+        if step % args.save_every == 0:
+            save(model, args.out)
+        if args.minutes is not None and seconds > 60 * args.minutes:
+            break
+    save(model, args.out)
+    valid = corpus.valid[: args.valid_bytes]
+    result = {"steps": step, "seconds": round(time.perf_counter() - start, 1),
+              "valid_bytes": len(valid), "valid_bpb": bits_per_byte(model, valid, args.context)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    train(parse_args())

@@ -1,0 +1,200 @@
+"""adaspan retrofit: spans learned for a frozen Hugging Face causal LM (a tiny random Llama)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    ByT5Tokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from adaspan.cli import main
+from adaspan.data.corpora import load_corpus
+from adaspan.hf import load_model, span_modules
+from adaspan.measure.retrofit_report import REPORT_FILE, measure
+from adaspan.training.lock import RunLockedError, WriterLock
+from adaspan.training.precision import choose
+from adaspan.training.retrofit import Retrofit, RetrofitConfig, retrofit
+from tests.helpers import load_script
+
+FP32 = choose("float32", torch.device("cpu"))
+LAYERS, KV_HEADS, D_HEAD, CONTEXT = 2, 2, 8, 64
+
+
+def tiny_llama(folder: Path) -> Path:
+    """A random Llama (2 layers, 4 query heads, 2 key/value heads, 64 positions) with a
+    byte tokenizer, saved in ``folder``."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=KV_HEADS, max_position_embeddings=CONTEXT)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    ByT5Tokenizer(extra_ids=0).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
+def options(model_dir: Path, out: Path, **changes) -> RetrofitConfig:
+    values = dict(context=CONTEXT, ramp=4, steps=6, batch_size=2, span_loss=0.1,
+                  checkpoint_interval=2, lr=0.05)
+    return RetrofitConfig(str(model_dir), "kjv", str(out), **{**values, **changes})
+
+
+def z_fracs(run: Retrofit) -> list[torch.Tensor]:
+    return [span.z_frac.detach().clone() for span in span_modules(run.model)]
+
+
+def test_spans_shrink_and_weights_stay(model_dir, tmp_path):
+    run = retrofit(options(model_dir, tmp_path / "out"), FP32, progress=False)
+    spans = torch.stack([span.spans() for span in span_modules(run.model)])
+    assert (spans < CONTEXT).all()  # from S = 64: the penalty shrank every head
+    before = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    after = load_model(tmp_path / "out").state_dict()
+    assert set(before) <= set(after)  # and the spans
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    saved = [span.spans() for span in span_modules(load_model(tmp_path / "out"))]
+    assert torch.equal(torch.stack(saved), spans)
+
+
+def test_without_penalty_distillation_keeps_full_spans(model_dir, tmp_path):
+    """At z' = 1 the spans model is the full model: no gradient moves z' above 1."""
+    run = retrofit(options(model_dir, tmp_path / "out", span_loss=0.0), FP32, progress=False)
+    assert all((z == 1).all() for z in z_fracs(run))
+
+
+def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monkeypatch):
+    whole = z_fracs(retrofit(options(model_dir, tmp_path / "whole"), FP32, progress=False))
+    step = Retrofit.train_step
+
+    def interrupted(self, precision):
+        if self.step == 3:  # after the checkpoint of step 2: step 3 saved on the interrupt
+            raise KeyboardInterrupt
+        return step(self, precision)
+
+    monkeypatch.setattr(Retrofit, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        retrofit(options(model_dir, tmp_path / "parts"), FP32, progress=False)
+    monkeypatch.setattr(Retrofit, "train_step", step)
+    resumed = retrofit(options(model_dir, tmp_path / "parts"), FP32, resume=True,
+                       progress=False)
+    assert resumed.step == 6
+    for a, b in zip(whole, z_fracs(resumed), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(whole[0], torch.ones_like(whole[0]))  # the spans did move
+
+
+def test_report_numbers_against_direct_computation(model_dir, tmp_path):
+    run = retrofit(options(model_dir, tmp_path / "out"), FP32, progress=False)
+    report = measure(run, choose("float32", torch.device("cpu"), "score"), eval_bytes=CONTEXT,
+                     new_tokens=4, rounds=1)
+    # one window of 64 byte tokens: the model's own loss over its 63 predictions
+    text = bytes(load_corpus("kjv").valid[:CONTEXT])
+    ids = AutoTokenizer.from_pretrained(model_dir)(text.decode(), add_special_tokens=False)
+    ids = torch.tensor(ids["input_ids"])[None]
+    own = AutoModelForCausalLM.from_pretrained(model_dir)(input_ids=ids, labels=ids).loss.item()
+    full = report["heldout"]["full"]
+    assert full["perplexity"] == pytest.approx(math.exp(own), rel=1e-5)
+    assert full["bits_per_byte"] == pytest.approx(own * 63 / math.log(2) / CONTEXT, rel=1e-5)
+    kv = report["cache"]["kv_bytes"]
+    assert kv["full"] == kv["full_formula"] == LAYERS * 2 * KV_HEADS * CONTEXT * D_HEAD * 4
+    # the span cache keeps, per layer, the window - 1 keys before the next token
+    windows = [min(CONTEXT, math.ceil(max(layer))) for layer in report["spans"]]
+    assert kv["spans"] == sum(2 * KV_HEADS * (w - 1) * D_HEAD * 4 for w in windows)
+    assert report["spans"] == [s.spans().tolist() for s in span_modules(run.model)]
+
+
+def test_cli_writes_the_report(model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["retrofit", str(model_dir), "--data", "kjv", "--out", str(out), "--steps",
+                 "2", "--context", "64", "--ramp", "4", "--eval-bytes", "100",
+                 "--decode-tokens", "2", "--no-progress", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads((out / REPORT_FILE).read_text())
+    assert printed.keys() == written.keys()  # printed rounded to 6 digits
+    assert printed["cache"]["kv_bytes"] == written["cache"]["kv_bytes"]
+    assert printed["steps"] == 2 and len(printed["spans"]) == LAYERS
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--span-loss", "-1"], "span_loss must be a number >= 0"),
+    (["--context", "128"], "max_span=128 is longer than the model's positions"),
+    (["--resume"], "holds no retrofit to resume"),
+])
+def test_cli_one_line_errors(model_dir, tmp_path, capsys, change, message):
+    args = ["retrofit", str(model_dir), "--data", "kjv", "--out", str(tmp_path / "o"),
+            "--steps", "1", "--no-progress", *change]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_cli_refuses_a_missing_model_and_a_used_out(model_dir, tmp_path, capsys):
+    assert main(["retrofit", str(tmp_path / "none"), "--data", "kjv", "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "no model directory" in capsys.readouterr().err
+    retrofit(options(model_dir, tmp_path / "used", steps=1), FP32, progress=False)
+    assert main(["retrofit", str(model_dir), "--data", "kjv", "--out",
+                 str(tmp_path / "used")]) == 2
+    err = capsys.readouterr().err
+    assert "holds a retrofit: --resume continues it" in err and err.count("\n") == 1
+    assert main(["retrofit", str(model_dir), "--data", "kjv", "--out", str(tmp_path / "used"),
+                 "--resume", "--steps", "2"]) == 2  # other options than its own
+    assert "retrofitted with other options (ramp, context" in capsys.readouterr().err
+
+
+def test_train_hf_model_script(tmp_path):
+    script = load_script("train_hf_model")
+    out = tmp_path / "llama"
+    result = script.train(script.parse_args([
+        "--data", "kjv", "--out", str(out), "--steps", "3", "--context", "32",
+        "--d-model", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--d-ff", "64",
+        "--batch-size", "2", "--warmup", "1", "--valid-bytes", "100", "--threads", "0"]))
+    assert result["steps"] == 3 and 0 < result["valid_bpb"] < 9
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer("hé", add_special_tokens=False)["input_ids"] == [
+        b + script.OFFSET for b in "hé".encode()]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_key_value_heads == 2 and model.config.max_position_embeddings == 32
+
+
+def test_retrofit_experiment_script(model_dir, tmp_path, capsys):
+    script = load_script("retrofit_experiment")
+    args = [str(model_dir), "--data", "kjv", "--out", str(tmp_path / "x"), "--span-losses",
+            "0,0.5", "--steps", "3", "--context", "64", "--ramp", "4", "--lr", "0.1"]
+    assert script.main([*args, "--train-only"]) == [{"span_loss": 0.0, "steps": 3},
+                                                    {"span_loss": 0.5, "steps": 3}]
+    capsys.readouterr()
+    results = script.main([*args, "--eval-bytes", "100", "--decode-tokens", "2", "--rounds",
+                           "1", "--lock", str(tmp_path / "lock")])  # measured, not retrained
+    assert json.loads(capsys.readouterr().out) == results
+    free, penalised = results
+    # at S: the span cache holds the S - 1 keys before the next token, the full cache S
+    assert free["kv_smaller"] == 64 / 63
+    assert free["bits_per_byte_change"] == pytest.approx(0.0, abs=1e-6)
+    assert penalised["kv_bytes_spans"] < penalised["kv_bytes"]
+    assert max(map(max, penalised["spans"])) < 64
+
+
+def test_one_writer(model_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = WriterLock(out)
+    lock.acquire()
+    try:
+        with pytest.raises(RunLockedError, match="being written by another process"):
+            retrofit(options(model_dir, out), FP32, progress=False)
+    finally:
+        lock.release()
