@@ -176,7 +176,7 @@ class ModelConfig(Options):
         self._check_variant()
         self._check_span_can_adapt()
         self._check_adaptive_io()
-        self._check_heads_and_positions()
+        _check_heads_and_positions(self)
 
     def _check_variant(self) -> None:
         """The options the registered attention checks itself (``check`` of
@@ -217,21 +217,6 @@ class ModelConfig(Options):
                       f"small enough that d_model={self.d_model} // div_val**{len(ids)} "
                       "(the last cluster's dimension) is >= 1")
 
-    def _check_heads_and_positions(self) -> None:
-        """``kv_heads`` divides ``n_heads``; rotary positions turn pairs of a head's
-        dimensions (an even ``d_head``); both are computed by the span attentions alone."""
-        self._require("kv_heads", lambda v: v is None or (_is_int(v) and v > 0
-                                                          and self.n_heads % v == 0),
-                      f"none or a positive divisor of n_heads={self.n_heads}")
-        rotary = self.position_table == "rotary"
-        self._require("position_table", lambda v: not rotary or self.d_head % 2 == 0,
-                      f"model or layer where d_head={self.d_head} is odd (rotary turns pairs)")
-        if ((rotary or self.key_value_heads != self.n_heads)
-                and ATTENTIONS[self.attention].span_of is None):
-            raise ConfigError(f"attention={self.attention} has neither kv_heads nor "
-                              "position_table=rotary: they are for the span attentions ("
-                              + ", ".join(VariantNames(lambda v: v.span_of is not None)) + ")")
-
     @property
     def key_value_heads(self) -> int:
         """Key/value heads of a layer: ``kv_heads``, or ``n_heads`` where it is none."""
@@ -245,6 +230,23 @@ class ModelConfig(Options):
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_heads
+
+
+
+def _check_heads_and_positions(config: ModelConfig) -> None:
+    """``kv_heads`` divides ``n_heads``; rotary positions turn pairs of a head's dimensions (an
+    even ``d_head``); both are computed by the span attentions alone."""
+    config._require("kv_heads", lambda v: v is None or (_is_int(v) and v > 0
+                                                        and config.n_heads % v == 0),
+                    f"none or a positive divisor of n_heads={config.n_heads}")
+    rotary = config.position_table == "rotary"
+    config._require("position_table", lambda v: not rotary or config.d_head % 2 == 0,
+                    f"model or layer where d_head={config.d_head} is odd (rotary turns pairs)")
+    if ((rotary or config.key_value_heads != config.n_heads)
+            and ATTENTIONS[config.attention].span_of is None):
+        raise ConfigError(f"attention={config.attention} has neither kv_heads nor "
+                          "position_table=rotary: they are for the span attentions ("
+                          + ", ".join(VariantNames(lambda v: v.span_of is not None)) + ")")
 
 
 @dataclass

@@ -12,7 +12,12 @@ import torch
 from reference import reference_span_attention
 
 from adaspan.attention import functional
-from adaspan.attention.functional import key_window, span_attention
+from adaspan.attention.functional import (
+    grouped_span_attention,
+    head_groups,
+    key_window,
+    span_attention,
+)
 
 S, R, D = 16, 4.0, 8
 
@@ -152,3 +157,14 @@ def test_the_speed_script_prints_both_paths():
     for name in ("prefill", "decode"):
         assert result[name]["span_attention_ms"] > 0 and result[name]["dense_ms"] > 0
         assert result[name]["max_abs_difference"] < 1e-4  # the same attention
+
+
+def test_grouped_attention_with_host_spans_equals_span_attention():
+    """``head_groups`` from z on the host (no read of the device), bucketed windows: the same
+    output as :func:`span_attention`, which reads z's bounds itself."""
+    q, k, v, z, pos = _inputs(2, 8, 2, 6, 40, "head", True)
+    host = z.detach().flatten().tolist()
+    groups = head_groups(host, host, S, R, 40, bucket=8)
+    assert {w for w, _, _ in groups} == {8, 16}
+    out = grouped_span_attention(q, k, v, z.view(1, 8, 1), groups, R, pos, kernel=False)
+    torch.testing.assert_close(out, span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos))

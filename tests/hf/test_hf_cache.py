@@ -39,10 +39,12 @@ def test_truncated_cache_generates_what_the_full_cache_does(kind):
     full_tokens, full_logits = greedy(model, DynamicCache())
     assert torch.equal(tokens, full_tokens)
     torch.testing.assert_close(logits, full_logits, atol=1e-5, rtol=0)
-    assert [layer.keys.shape[2] for layer in cache.layers] == [16, 19]  # window - 1
+    # each key/value head keeps window - 1 positions of its group's longest span: heads 0-1
+    # and 2-3 share a key/value head (windows 9, 17 and 6, 20), except GPT-2's (one each)
+    held = [4 + 8 + 16 + 11, 5 + 5 + 7 + 19] if kind == "gpt2" else [8 + 16, 5 + 19]
+    assert [tuple(layer.keys.shape) for layer in cache.layers] == [(1, n, 8) for n in held]
     assert cache.get_seq_length() == PROMPT.shape[1] + NEW - 1
-    per_key = 2 * cache.layers[0].keys.shape[1] * 8 * 4  # keys and values, fp32
-    assert kv_bytes(cache) == (16 + 19) * per_key
+    assert kv_bytes(cache) == sum(held) * 2 * 8 * 4  # keys and values of 8 fp32 each
 
 
 def test_spans_covering_the_context_generate_what_the_model_without_spans_does():
@@ -63,10 +65,21 @@ def test_the_cache_holds_no_more_than_the_window_however_long_the_text():
     assert kv_bytes(cache) == 2 * 2 * 3 * 2 * 8 * 4  # layers, keys and values, R - 1 keys
 
 
-def test_a_static_cache_is_refused():
+def test_beam_search_reorders_the_kept_positions():
+    model = add_spans(tiny_hf("qwen2"), max_span=64, ramp=4, init=0.1)
+    for span in span_modules(model):
+        span.set_spans(torch.tensor([5.0, 30.0, 9.0, 12.0]))
+    options = dict(max_new_tokens=12, min_new_tokens=12, num_beams=3, do_sample=False)
+    expected = model.generate(PROMPT, cache=DynamicCache(), **options)
+    assert torch.equal(model.generate(PROMPT, cache=SpanCache(model), **options), expected)
+
+
+def test_a_static_cache_and_rolling_back_are_refused():
     model = add_spans(tiny_hf("llama"))
     with pytest.raises(UserError, match="static cache"):
         model.generate(PROMPT, max_new_tokens=2, cache_implementation="static")
+    with pytest.raises(UserError, match="roll back"):
+        SpanCache(model).crop(-1)
 
 
 def test_windows_are_the_longest_span_of_each_layer():

@@ -21,14 +21,17 @@ MODEL = replace(TRAIN_MODEL, dropout=0.0)  # no dropout: a split batch draws no 
 S, HEADS = MODEL.max_span, MODEL.n_heads
 
 
-def test_evaluation_memory_counts_the_key_value_buffers():
-    model = tiny("adaptive")
-    streams, block = 3, 16
+def _key_value_bytes(model: SpanLM, streams: int, block: int) -> int:
+    """Bytes of the key/value buffers an evaluation block of ``streams`` streams holds."""
     with torch.no_grad():
         _, cache = model(torch.randint(0, 32, (streams, block)),
                          model.empty_cache(streams, keys_values=True))
-    held = sum(c.buffers.keys.nbytes + c.buffers.values.nbytes for c in cache)
-    assert evaluation_memory(model, streams, block) == held
+    return sum(c.buffers.keys.nbytes + c.buffers.values.nbytes for c in cache)
+
+
+def test_evaluation_memory_counts_the_key_value_buffers():
+    model = tiny("adaptive")
+    assert evaluation_memory(model, 3, 16) == _key_value_bytes(model, 3, 16)
 
 
 def _spans_jump_to_s_after(step: int, monkeypatch) -> None:
@@ -99,10 +102,6 @@ def test_a_run_that_cannot_start_is_refused_before_writing(tmp_path, corpus_file
 
 def test_evaluation_memory_counts_the_key_value_heads():
     model = tiny("adaptive", kv_heads=1, position_table="rotary")
-    streams, block = 2, 16
-    with torch.no_grad():
-        _, cache = model(torch.randint(0, 32, (streams, block)),
-                         model.empty_cache(streams, keys_values=True))
-    held = sum(c.buffers.keys.nbytes + c.buffers.values.nbytes for c in cache)
-    assert evaluation_memory(model, streams, block) == held
-    assert held * 4 == evaluation_memory(tiny("adaptive"), streams, block)  # 1 head of 4
+    held = _key_value_bytes(model, 2, 16)
+    assert evaluation_memory(model, 2, 16) == held
+    assert held * 4 == evaluation_memory(tiny("adaptive"), 2, 16)  # 1 key/value head of 4

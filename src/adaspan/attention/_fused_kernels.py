@@ -3,11 +3,12 @@ imports Triton, an optional dependency).
 
 Program (i, b * H + h) handles queries i * BLOCK .. (i + 1) * BLOCK - 1 of head h of sequence
 b and loops over the tiles of the keys they can see, ``history + t - w_h`` to
-``history + t - 1`` for query t: the loop's bounds follow the head's window w_h, read from
-``WIN``. Pointers are (b, h, position) strides plus a contiguous last dimension of ``dh``
-(padded to ``DH``); z has (b, h, t) strides, 0 where it is broadcast. The sizes and z's strides
-are not specialised on their values (``do_not_specialize``: a head count or a stride of 1 would
-compile another kernel); the other strides are, on their divisibility by 16. ``PRECISION`` is the
+``history + t - 1`` for query t (of key/value head h // G; keys before index 0 absent): the
+loop's bounds follow the head's window w_h, read from ``WIN``. Pointers are (b, h, position)
+strides plus a contiguous last dimension of ``dh`` (padded to ``DH``); z has (b, h, t)
+strides, 0 where it is broadcast. The sizes and z's strides are not specialised on their values
+(``do_not_specialize``: a head count or a stride of 1 would compile another kernel); the other
+strides are, on their divisibility by 16. ``PRECISION`` is the
 ``input_precision`` of every product (``"ieee"``: fp32 products in fp32; ``"tf32"``: TF32 on
 the tensor cores; ignored for 16-bit inputs).
 
@@ -72,7 +73,7 @@ def _scores(q, K, POS, kb, skt, spd, z, start, r0, history, w, T, n_pos, dh, sca
     far = _position_rows(POS, first + BLOCK, spd, n_pos, dh, q.dtype, DH, BLOCK)
     s = (s + _skew(tl.dot(q, tl.trans(far), input_precision=PRECISION), -1, BLOCK)) * scale
     d = history + t[:, None] - r[None, :]
-    valid = (d >= 1) & (d <= w)
+    valid = (d >= 1) & (d <= w) & (r[None, :] >= 0)  # keys before the sequence are absent
     m = tl.full((BLOCK, BLOCK), 1.0, z.dtype)
     if HAS_Z:
         m = (ramp + z[:, None] - d) / ramp
@@ -94,7 +95,8 @@ def _tile(Q, Z, WIN, LSE, sqb, sqh, sqt, szb, szh, szt, H, M, dh, DH: tl.constex
           BLOCK: tl.constexpr):
     """This program's tile: batch b, head h and its window w, the first query ``start``, the
     query positions t, the feature index e, the valid (query, feature) entries, the queries
-    and their z (in the accumulators' type)."""
+    and their z (in the accumulators' type). Its keys and values are those of head h // G
+    (G query heads per key/value head)."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     w = tl.load(WIN + h)
@@ -108,12 +110,12 @@ def _tile(Q, Z, WIN, LSE, sqb, sqh, sqt, szb, szh, szt, H, M, dh, DH: tl.constex
 
 
 # arguments whose values vary from launch to launch, with no gain from specialising on them
-_VARYING = ("szb", "szh", "szt", "H", "M", "T", "n_pos", "history")
+_VARYING = ("szb", "szh", "szt", "H", "G", "M", "T", "n_pos", "history")
 
 
 @triton.jit(do_not_specialize=_VARYING)
 def band_forward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, spd,
-                 szb, szh, szt, H, M, T, n_pos, history, dh, scale, ramp,
+                 szb, szh, szt, H, G, M, T, n_pos, history, dh, scale, ramp,
                  OUT, LSE, sob, soh, sot, SEED, p_drop,
                  HAS_Z: tl.constexpr, DH: tl.constexpr, DROPOUT: tl.constexpr,
                  BLOCK: tl.constexpr, PRECISION: tl.constexpr):
@@ -126,8 +128,8 @@ def band_forward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, s
     total = tl.zeros((BLOCK,), acc_type)
     acc = tl.zeros((BLOCK, DH), acc_type)
     for r0 in range(history + start - w, history + start + BLOCK - 1, BLOCK):
-        s = _scores(q, K, POS, b * skb + h * skh, skt, spd, z, start, r0, history, w, T, n_pos,
-                    dh, scale, ramp, HAS_Z, DH, BLOCK, PRECISION)[0]
+        s = _scores(q, K, POS, b * skb + (h // G) * skh, skt, spd, z, start, r0, history, w,
+                    T, n_pos, dh, scale, ramp, HAS_Z, DH, BLOCK, PRECISION)[0]
         new_top = tl.maximum(top, tl.max(s, 1))
         alpha = tl.exp(top - new_top)
         weights = tl.exp(s - new_top[:, None])
@@ -136,7 +138,7 @@ def band_forward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, s
         if DROPOUT:
             keep = _keep(SEED, bh, t, r, T, p_drop, BLOCK)
             weights = tl.where(keep, weights / (1.0 - p_drop), 0.0)
-        v = _key_rows(V, b * svb + h * svh, r, svt, T, dh, DH)
+        v = _key_rows(V, b * svb + (h // G) * svh, r, svt, T, dh, DH)
         acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
         top = new_top
     out = acc / total[:, None]
@@ -176,7 +178,7 @@ def _position_gradients(grad_s, q, POS, GPOS, first, spd, n_pos, dh, DH: tl.cons
 
 @triton.jit(do_not_specialize=_VARYING)
 def band_backward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, spd,
-                  szb, szh, szt, H, M, T, n_pos, history, dh, scale, ramp,
+                  szb, szh, szt, H, G, M, T, n_pos, history, dh, scale, ramp,
                   OUT, LSE, GO, GQ, GK, GPOS, GZ, sgb, sgh, sgt, sdb, sdh, sdt,
                   sgkb, sgkh, sgkt, sgv, SEED, p_drop,
                   HAS_Z: tl.constexpr, DH: tl.constexpr, DROPOUT: tl.constexpr,
@@ -195,20 +197,20 @@ def band_backward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, 
     grad_q = tl.zeros((BLOCK, DH), acc_type)
     grad_z = tl.zeros((BLOCK,), acc_type)
     for r0 in range(history + start - w, history + start + BLOCK - 1, BLOCK):
-        s, first, m, valid = _scores(q, K, POS, b * skb + h * skh, skt, spd, z, start, r0,
-                                     history, w, T, n_pos, dh, scale, ramp, HAS_Z, DH, BLOCK,
-                                     PRECISION)
+        s, first, m, valid = _scores(q, K, POS, b * skb + (h // G) * skh, skt, spd, z, start,
+                                     r0, history, w, T, n_pos, dh, scale, ramp, HAS_Z, DH,
+                                     BLOCK, PRECISION)
         r = r0 + tl.arange(0, BLOCK)
         keys = (r[:, None] >= 0) & (r[:, None] < T) & (e[None, :] < dh)
         weights = tl.exp(s - lse[:, None])
-        v = _key_rows(V, b * svb + h * svh, r, svt, T, dh, DH)
+        v = _key_rows(V, b * svb + (h // G) * svh, r, svt, T, dh, DH)
         grad_weights = tl.dot(go, tl.trans(v), input_precision=PRECISION)
         dropped = weights
         if DROPOUT:
             keep = _keep(SEED, bh, t, r, T, p_drop, BLOCK)
             dropped = tl.where(keep, weights / (1.0 - p_drop), 0.0)
             grad_weights = tl.where(keep, grad_weights / (1.0 - p_drop), 0.0)
-        key_rows = GK + b * sgkb + h * sgkh + r[:, None] * sgkt + e[None, :]
+        key_rows = GK + b * sgkb + (h // G) * sgkh + r[:, None] * sgkt + e[None, :]
         tl.atomic_add(key_rows + sgv,
                       tl.dot(tl.trans(dropped.to(go.dtype)), go, input_precision=PRECISION),
                       mask=keys)
@@ -217,7 +219,7 @@ def band_backward(Q, K, V, POS, Z, WIN, sqb, sqh, sqt, skb, skh, skt, svb, svh, 
             ramp_m = ramp * tl.maximum(m, 1e-30)
             grad_z += tl.sum(tl.where(valid & (m < 1.0), grad_s / ramp_m, 0.0), 1)
         grad_s = grad_s * scale
-        k = _key_rows(K, b * skb + h * skh, r, skt, T, dh, DH)
+        k = _key_rows(K, b * skb + (h // G) * skh, r, skt, T, dh, DH)
         grad_q += tl.dot(grad_s.to(k.dtype), k, input_precision=PRECISION)
         tl.atomic_add(key_rows, tl.dot(tl.trans(grad_s.to(q.dtype)), q, input_precision=PRECISION),
                       mask=keys)

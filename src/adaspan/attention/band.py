@@ -253,26 +253,22 @@ def banded_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of each query over the ``w`` keys just before it, with relative positions.
 
-    q: (B, H, M, dh) queries; k, v: (B, H, w + M, dh) keys/values, the last M aligned with the
-    queries (query t sits at key index w + t and attends to indices t .. t + w - 1, distances
-    w .. 1; the last key is never read, so w + M - 1 keys are enough); pos: (w, dh) embeddings
-    of distances 1..w, or None (no position product; then ``window`` gives w); z: None (no
-    mask) or the span broadcastable to (B, H, M); ``start``: the keys at indices below it are
-    absent (padding before a sequence's first token: no weight). Queries are processed in
-    chunks of ``c``, each over a window of ``w + c - 1`` keys, so the cost is about
-    M * (w + c) * dh rather than M * (w + M) * dh; ``c`` is :func:`chunk_size` unless ``chunk``
-    is given. ``z_min``, the least z on the host, saves reading it from the device (a
-    host-device synchronisation). With ``normaliser``, returns ``(out, lse)``, lse (B, H, M)
-    the log of each query's softmax denominator, log sum_r m_z(d) exp(s_tr), in the scores'
-    dtype (fp32 for a block's bf16 product): the output of the same attention with more keys
-    joined to its softmax is then a mixture of ``out`` and theirs (dropout, on the weights,
-    commutes with that scaling).
+    q: (B, H, M, dh) queries; k, v: (B, H, w + M, dh) keys/values (w + M - 1 suffice), the
+    last M aligned with the queries (query t sits at key index w + t and attends to indices
+    t .. t + w - 1, distances w .. 1; those below ``start`` absent); pos: (w, dh) embeddings of
+    distances 1..w, or None (no position product; ``window`` gives w); z: None (no mask) or
+    the span broadcastable to (B, H, M). Queries are processed in chunks of ``c`` (each over
+    ``w + c - 1`` keys: cost M (w + c) dh, not M (w + M) dh); ``c`` is :func:`chunk_size`
+    unless ``chunk`` is given. ``z_min``, the least z on the host, saves a host-device
+    synchronisation. With ``normaliser``, returns ``(out, lse)``, lse (B, H, M) the log of each
+    query's softmax denominator, log sum_r m_z(d) exp(s_tr), in the scores' dtype (fp32 for a
+    bf16 product): the output of the same attention with more keys joined to its softmax is
+    then a mixture of ``out`` and theirs (dropout, on the weights, commutes with that scaling).
     """
     M, dh = q.shape[2:]
     w = pos.shape[0] if pos is not None else window
     if M == 1:
-        return _one_query_attention(q, k, v, pos, z, ramp, dropout, training, normaliser,
-                                    w, start)
+        return _one_query_attention(q, k, v, pos, z, ramp, dropout, training, normaliser, w, start)
     c = min(M, chunk) if chunk else chunk_size(M, w, q.device.type)
     n = -(-M // c)
     if z is not None and z_min is None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import fused
 from .band import banded_attention
 
 
@@ -69,10 +70,17 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, *, max_spa
 def grouped_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,
                            groups: list[tuple[int, list[int], float]], ramp: float,
                            pos: Tensor | None = None, dropout: float = 0.0,
-                           training: bool = False) -> Tensor:
+                           training: bool = False, kernel: bool | None = None) -> Tensor:
     """:func:`span_attention` (scale d ** -0.5, z (B|1, Hq, M|1) or None) with the heads
     grouped by the caller: ``groups`` of (key window w <= T, query heads, least z of those
-    heads), each head's window at least ``key_window`` of its greatest z."""
+    heads), each head's window at least ``key_window`` of its greatest z. ``kernel``: all
+    heads in the fused kernel of :mod:`adaspan.attention.fused` (None: on CUDA where Triton
+    is installed), else (or where it cannot run these heads) each group with the band
+    kernel."""
+    if kernel or (kernel is None and q.is_cuda and fused.available()):
+        out = _fused_heads(q, k, v, z, groups, ramp, pos, dropout if training else 0.0)
+        if out is not None:
+            return out
     outputs = [_group_attention(q, k, v, pos, z, window, heads, z_least, ramp, dropout,
                                 training) for window, heads, z_least in groups]
     if len(outputs) == 1:
@@ -81,6 +89,33 @@ def grouped_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,
     for (_, heads, _), o in zip(groups, outputs, strict=True):
         out[:, heads] = o.to(q.dtype)
     return out
+
+
+def _fused_heads(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,
+                 groups: list[tuple[int, list[int], float]], ramp: float, pos: Tensor | None,
+                 dropout: float) -> Tensor | None:
+    """Every head in one fused kernel, each over its window (the kernel's distance d is
+    x + 1, its z is z + 1, its history T - M + 1; without ``pos`` its table is zeros); None
+    where the kernel is not compiled for these heads or the device cannot run it."""
+    backward = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, z, pos))
+    if q.is_cuda and not fused.compiled(q.dtype, q.shape[-1],
+                                        fused.precision(q.dtype, "cuda"), backward):
+        return None
+    windows = [0] * q.shape[1]
+    for window, heads, _ in groups:
+        for head in heads:
+            windows[head] = window
+    longest, (T, M) = max(windows), (k.shape[2], q.shape[2])
+    table = q.new_zeros(longest, q.shape[-1]) if pos is None else pos[:longest]
+    kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2)  # (B, T, 2, Hkv, d)
+    try:
+        out = fused.band_attention(q, kv, table, None if z is None else z + 1,
+                                   torch.tensor(windows, dtype=torch.int32, device=q.device),
+                                   T - M + 1, ramp, dropout)
+    except fused.ResourcesExceeded:
+        return None
+    return out.transpose(1, 2)
 
 
 def _group_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor | None, z: Tensor | None,
@@ -140,9 +175,17 @@ def _groups(z: Tensor | None, H: int, max_span: int, ramp: float, T: int,
         least, greatest = torch.stack([z.amin(dim=(0, 2)), z.amax(dim=(0, 2))]).tolist()
     else:
         least, greatest = [z_min] * H, z.amax(dim=(0, 2)).tolist()
+    return head_groups(least, greatest, max_span, ramp, T)
+
+
+def head_groups(least: list[float], greatest: list[float], max_span: int, ramp: float,
+                keys: int, bucket: int = 1) -> list[tuple[int, list[int], float]]:
+    """The groups of :func:`grouped_span_attention` from each head's least and greatest z on
+    the host: heads of equal key window ``key_window(greatest z, S, R, bucket)``, capped at
+    ``keys`` (T), as (window, heads, least z of the group)."""
     members: dict[int, list[int]] = {}
     for head, z_max in enumerate(greatest):
-        members.setdefault(min(key_window(z_max, max_span, ramp), T), []).append(head)
+        members.setdefault(min(key_window(z_max, max_span, ramp, bucket), keys), []).append(head)
     return [(w, heads, min(least[h] for h in heads)) for w, heads in members.items()]
 
 

@@ -206,15 +206,15 @@ def _strides(t: Tensor) -> tuple[int, ...]:
 
 def _shared_args(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None,
                  windows: Tensor, history: int, ramp: int, lse: Tensor) -> tuple[list, dict]:
-    """The arguments both kernels take: q (B, H, M, dh), k and v (B, H, T, dh), the table p
-    (row d - 1: p_d) and z broadcast to (B, H, M), both in the log-normaliser's type (``lse``
-    stands in for an absent z), the windows."""
+    """The arguments both kernels take: q (B, H, M, dh), k and v (B, H / G, T, dh) (query head
+    h reads key/value head h // G), the table p (row d - 1: p_d) and z broadcast to (B, H, M),
+    both in the log-normaliser's type (``lse`` stands in for an absent z), the windows."""
     B, H, M, dh = q.shape
     zz = lse if z is None else z.to(lse.dtype).expand(B, H, M)
     pos = pos.to(lse.dtype)
     args = [q, k, v, pos, zz, windows, *_strides(q), *_strides(k), *_strides(v),
-            pos.stride(0), *_strides(zz), H, M, k.shape[2], pos.shape[0], history, dh,
-            dh**-0.5, float(ramp)]
+            pos.stride(0), *_strides(zz), H, H // k.shape[1], M, k.shape[2], pos.shape[0],
+            history, dh, dh**-0.5, float(ramp)]
     return args, dict(HAS_Z=z is not None, DH=_head_dim(dh),
                       PRECISION=precision(q.dtype, q.device.type))
 
@@ -352,7 +352,10 @@ def band_attention(q: Tensor, kv: Tensor | tuple[Tensor, Tensor], pos: Tensor,
 
     q: (B, H, M, dh); kv: the keys and values (B, T, 2, H, dh), T = ``history`` + M, query t
     at key index history + t; or, without gradients (inference), a pair of keys and values
-    (B, H, T, dh) each; pos: the table of p_d (row d - 1), at least the longest window;
+    (B, H, T, dh) each; fewer key/value heads H / G are read by G query heads each (head h
+    reads h // G), and T may be less than history + M (the last key read is then T - 1;
+    keys before index 0 are absent); pos: the table of p_d (row d - 1), at least the longest
+    window;
     z: None (no mask) or broadcastable to (B, H, M); windows: (H,) int32, each head's keys
     (at distances 1 .. w_h); ``dropout``: on the weights (0 outside training).
     """

@@ -208,20 +208,6 @@ class SpanAttention(Attention):
 
         return keys_values, advance(past, x, history)
 
-    def _cached_keys_values(self, x: Tensor, cache: KeyValueCache, history: int
-                            ) -> tuple[Tensor, Tensor, KeyValueCache]:
-        """Keys and values (B, H, history + M, d_head) of the cache extended by those of the
-        block's own tokens, and the new cache (inference)."""
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "a KeyValueCache is for inference under torch.no_grad(): in training the keys "
-                "of cached positions are recomputed with the current weights, so pass hidden "
-                "states (model.empty_cache(batch_size)) instead")
-        B, M, _ = x.shape
-        new_k, new_v = (proj(x).view(B, M, self.kv_heads, self.d_head).transpose(1, 2)
-                        for proj in (self.k, self.v))
-        return cache.extend(new_k, new_v, history)
-
     def _heads(self, t: Tensor) -> Tensor:
         """(B, T, h * d_head) -> (B, h, T, d_head)."""
         return t.unflatten(-1, (-1, self.d_head)).transpose(1, 2)
@@ -234,11 +220,26 @@ def _grouped_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | Ke
     own window with the band kernel of :mod:`adaspan.attention.band` (``attn._attend``), and the new
     cache."""
     if isinstance(cache, KeyValueCache):
-        keys, values, new_cache = attn._cached_keys_values(x, cache, history)
+        keys, values, new_cache = _cached_keys_values(attn, x, cache, history)
         keys_values = _sliced(keys, values)
     else:
         keys_values, new_cache = attn._projected_keys_values(x, cache, history)
     return _by_group(attn, q, keys_values, pos, z, bounds, layout, history), new_cache
+
+
+def _cached_keys_values(attn: SpanAttention, x: Tensor, cache: KeyValueCache, history: int
+                        ) -> tuple[Tensor, Tensor, KeyValueCache]:
+    """Keys and values (B, H, history + M, d_head) of the cache of ``attn`` extended by those
+    of the block's own tokens, and the new cache (inference)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "a KeyValueCache is for inference under torch.no_grad(): in training the keys "
+            "of cached positions are recomputed with the current weights, so pass hidden "
+            "states (model.empty_cache(batch_size)) instead")
+    B, M, _ = x.shape
+    new_k, new_v = (proj(x).view(B, M, attn.kv_heads, attn.d_head).transpose(1, 2)
+                    for proj in (attn.k, attn.v))
+    return cache.extend(new_k, new_v, history)
 
 
 def _functional_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyValueCache,
@@ -246,11 +247,12 @@ def _functional_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor |
                       ) -> tuple[Tensor, Tensor | KeyValueCache]:
     """The outputs (B, M, H, dh) of rotary or grouped-query heads with
     :func:`~adaspan.attention.functional.grouped_span_attention` (keys at distances 0 .. w - 1,
-    each head group over its window), and the new cache. The keys of the cached states are
+    each head over its window: in the fused kernel where :meth:`SpanAttention.uses_fused`,
+    else by head group), and the new cache. The keys of the cached states are
     recomputed, and rotary positions count from the first of the T = history + M keys: the
     same relative positions whatever the block."""
     if isinstance(cache, KeyValueCache):  # keys kept unrotated, turned at every block
-        keys, values, new_cache = attn._cached_keys_values(x, cache, history)
+        keys, values, new_cache = _cached_keys_values(attn, x, cache, history)
     else:
         past = fit_cache(cache, history).to(x)  # (B, history, D)
         states = torch.cat([past, x], dim=1)
@@ -264,7 +266,7 @@ def _functional_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor |
               for g in layout.groups]
     dropout = attn.dropout if attn.training else 0.0
     out = grouped_span_attention(q, keys, values, z, groups, attn.ramp, dropout=dropout,
-                                 training=attn.training)
+                                 training=attn.training, kernel=attn.uses_fused(x))
     return out.transpose(1, 2), new_cache
 
 
@@ -305,7 +307,7 @@ def _fused_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyV
     (:func:`adaspan.attention.fused.compiled`), or the device cannot run them (the layer's
     ``kernel`` then set to ``"grouped"``), the same keys and values by head group."""
     if isinstance(cache, KeyValueCache):
-        keys, values, new_cache = attn._cached_keys_values(x, cache, history)
+        keys, values, new_cache = _cached_keys_values(attn, x, cache, history)
         kv = keys, values
     else:
         past = fit_cache(cache, history).to(x)  # (B, history, D)

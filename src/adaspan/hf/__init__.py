@@ -20,10 +20,11 @@ except ImportError:
 
 from ..attention.span import clamp_spans, span_loss
 from .attention import NAME, register, span_modules
-from .cache import SpanCache, kv_bytes, windows
+from .cache import SpanCache, SpanLayer, head_windows, kv_bytes, windows
 from .spans import add_spans, load_model, load_spans, save_model, save_spans
 
 register()
 
-__all__ = ["NAME", "SpanCache", "add_spans", "clamp_spans", "kv_bytes", "load_model",
-           "load_spans", "save_model", "save_spans", "span_loss", "span_modules", "windows"]
+__all__ = ["NAME", "SpanCache", "SpanLayer", "add_spans", "clamp_spans", "head_windows",
+           "kv_bytes", "load_model", "load_spans", "save_model", "save_spans", "span_loss",
+           "span_modules", "windows"]
