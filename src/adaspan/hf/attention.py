@@ -66,8 +66,7 @@ def adaptive_span_attention(module: nn.Module, query: Tensor, key: Tensor, value
                         "was given): pass a 2D mask of ones, or none")
     if query.shape[2] <= DECODE_QUERIES and not torch.is_grad_enabled() and not (
             module.training and dropout):
-        out = decode_attention(query, key, value, decode_mask(span, query.device),
-                               scale=scaling)
+        out = decode_attention(query, key, value, decode_mask(span, query), scale=scaling)
     else:
         out = span_attention(query, key, value, span(query), max_span=span.max_span,
                              ramp=span.ramp, scale=scaling, dropout=dropout,
@@ -75,15 +74,16 @@ def adaptive_span_attention(module: nn.Module, query: Tensor, key: Tensor, value
     return out.transpose(1, 2).contiguous(), None
 
 
-def decode_mask(span: AdaptiveSpan, device: torch.device) -> Tensor:
-    """The log-mask of :func:`span_log_mask` over the span's longest window, on ``device``:
-    built once per value of z' (its version) and device, then reused (no read of z)."""
-    version = (span.version(), device)
+def decode_mask(span: AdaptiveSpan, query: Tensor) -> Tensor:
+    """The log-mask of :func:`span_log_mask` over the span's longest window, on the device of
+    ``query``: built once per value of z' (its version) and device, then reused (no read of
+    z)."""
+    version = (span.version(), query.device)
     cached = getattr(span, "_decode_mask", None)
     if cached is None or cached[0] != version:
         z = span.host_z()
         mask = span_log_mask(z, key_window(max(z), span.max_span, span.ramp), span.ramp)
-        span._decode_mask = cached = (version, mask.to(device))
+        span._decode_mask = cached = (version, mask.to(query.device))
     return cached[1]
 
 

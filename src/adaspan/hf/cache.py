@@ -34,12 +34,13 @@ class SpanLayer(DynamicSlidingWindowLayer):
     all heads side by side in one tensor (B, sum of kept, d) so that transformers' batch
     operations (beam search's reordering, selecting rows) apply unchanged. ``update`` hands the
     attention (B, Hkv, L + M, d), L the longest kept, shorter heads padded at the front with
-    zeros that no query reads (they lie beyond its window)."""
+    copies of their newest key (finite; beyond every window of the head, so weighed 0)."""
 
     def __init__(self, query_windows: list[int]) -> None:
         super().__init__(sliding_window=max(query_windows))
         self.query_windows = query_windows
         self.kept: list[int] = []  # positions kept per key/value head, set by the first update
+        self._index_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -60,19 +61,32 @@ class SpanLayer(DynamicSlidingWindowLayer):
 
     def _join(self, held: Tensor, new: Tensor, seen: int) -> tuple[Tensor, Tensor]:
         """(the held positions and ``new`` per head, padded: (B, Hkv, L + M, d); what each head
-        keeps of them, side by side)."""
+        keeps of them, side by side), by two index operations whose indices are computed once
+        per held lengths (the same every token once the windows are full)."""
         B, H, M, d = new.shape
-        lengths = [min(n, seen) for n in self.kept]
-        L = max(lengths)
-        joined = new.new_zeros(B, H, L + M, d)
-        joined[:, :, L:] = new
-        offset = 0
-        for g, n in enumerate(lengths):
-            if n:
-                joined[:, g, L - n:L] = held[:, offset:offset + n]
+        lengths = tuple(min(n, seen) for n in self.kept)
+        spread, keep = self._indices(lengths, M, new.device)
+        parts = [held, new.reshape(B, H * M, d)] if sum(lengths) else [new.reshape(B, H * M, d)]
+        joined = torch.cat(parts, dim=1).index_select(1, spread).view(B, H, -1, d)
+        return joined, joined.view(B, -1, d).index_select(1, keep)
+
+    def _indices(self, lengths: tuple[int, ...], M: int, device: torch.device
+                 ) -> tuple[Tensor, Tensor]:
+        """Rows of [held; new] for each head's L + M positions (padding: a row of its own,
+        finite, beyond every query's window), and the positions each head keeps: cached."""
+        key = (lengths, M, device)
+        if key not in self._index_cache:
+            L, held = max(lengths), sum(lengths)
+            spread, keep, offset = [], [], 0
+            for g, n in enumerate(lengths):
+                first_new = held + g * M
+                spread += [first_new] * (L - n) + list(range(offset, offset + n))
+                spread += range(first_new, first_new + M)
+                keep += range(g * (L + M) + max(0, L + M - self.kept[g]), (g + 1) * (L + M))
                 offset += n
-        kept = [joined[:, g, max(0, L + M - n):] for g, n in enumerate(self.kept)]
-        return joined, torch.cat(kept, dim=1)
+            self._index_cache[key] = tuple(torch.tensor(i, device=device)
+                                           for i in (spread, keep))
+        return self._index_cache[key]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise UserError("SpanCache keeps no positions to roll back to (assisted decoding): "
