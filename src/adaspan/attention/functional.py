@@ -81,26 +81,28 @@ def span_log_mask(z: list[float], window: int, ramp: float) -> Tensor:
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, log_mask: Tensor,
                      pos: Tensor | None = None, scale: float | None = None) -> Tensor:
     """Eqs. 1-3 of the M newest positions (few: decoding) with every head in a few operators,
-    without gradients of the mask: over the keys the longest window W sees, the scores
-    s = scale q . (k + p_x) plus log m_z(x) (``log_mask`` (Hq, W) of :func:`span_log_mask`;
-    -inf beyond W and before the query), a softmax (float32), so that exp(s) is weighed by
-    m_z(x) (eq. 2), times v. Grouped-query heads read their key head without copying it
-    (q as (B, Hkv, G M, d)). Shapes as :func:`span_attention`."""
+    without gradients of the mask: over the keys the longest window W sees, log m_z(x)
+    (``log_mask`` (Hq, W) of :func:`span_log_mask`; -inf beyond W and before the query) plus
+    the scores s = scale q . (k + p_x) in one product, a softmax (float32), so that exp(s) is
+    weighed by m_z(x) (eq. 2), times v. Grouped-query heads read their key head without
+    copying it (q as (B Hkv, G M, d)). Shapes as :func:`span_attention`."""
     B, Hq, M, d = q.shape
     Hkv, T, W = k.shape[1], k.shape[2], log_mask.shape[1]
     n = min(T, W + M - 1)  # the keys some query sees
     x = None if M == 1 and pos is None else (
         n - M + torch.arange(M, device=q.device)[:, None]
         - torch.arange(n, device=q.device))  # (M, n) distances
-    qg = q.reshape(B, Hkv, Hq // Hkv * M, d)
-    scores = (qg @ k[:, :, T - n:].transpose(-1, -2)).view(B, Hq, M, n)
-    if pos is not None:  # q . p_x, each pair's own table row
-        p = pos[:W].to(q.dtype)[x.clamp(0, W - 1)]  # (M, n, d)
-        scores = scores + torch.einsum("bhmd,mnd->bhmn", q, p)
     scale = d**-0.5 if scale is None else scale
-    mask = _distance_mask(log_mask.float(), x, n)
-    weights = torch.softmax(torch.add(mask, scores, alpha=scale), dim=-1).to(v.dtype)
-    return (weights.view(B, Hkv, -1, n) @ v[:, :, T - n:]).view(B, Hq, M, d)
+    mask = _distance_mask(log_mask, x, n).to(q.dtype).expand(B, Hq, M, n)
+    if pos is not None:  # scale q . p_x, each pair's own table row
+        p = pos[:W].to(q.dtype)[x.clamp(0, W - 1)]  # (M, n, d)
+        mask = mask + scale * torch.einsum("bhmd,mnd->bhmn", q, p)
+    rows = Hq // Hkv * M
+    keys, values = (t[:, :, T - n:].reshape(B * Hkv, n, d) for t in (k, v))
+    scores = torch.baddbmm(mask.reshape(B * Hkv, rows, n), q.reshape(B * Hkv, rows, d),
+                           keys.transpose(1, 2), alpha=scale)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.bmm(weights, values).view(B, Hq, M, d)
 
 
 def _distance_mask(log_mask: Tensor, x: Tensor | None, n: int) -> Tensor:
