@@ -24,7 +24,7 @@ from ..attention.span import AdaptiveSpan
 from ..errors import UserError
 
 NAME = "adaptive_span"  # the attention implementation, and the attribute holding the span
-DECODE_QUERIES = 16  # calls of at most this many queries, without gradients: decode_attention
+DECODE_QUERIES = 32  # calls of at most this many queries, without gradients: decode_attention
 
 _probe: list[tuple[nn.Module, int | None]] | None = None  # modules met by a probing forward
 
