@@ -29,12 +29,19 @@ def windows(model: nn.Module) -> list[int]:
     return [max(heads) for heads in head_windows(model)]
 
 
+PADDED_WASTE = 1 / 8  # the most padding, per position kept, of a layer held as one window
+
+
 class SpanLayer(DynamicSlidingWindowLayer):
     """The keys and values of one layer: key/value head g keeps its last ``kept[g]`` positions,
     all heads side by side in one tensor (B, sum of kept, d) so that transformers' batch
     operations (beam search's reordering, selecting rows) apply unchanged. ``update`` hands the
     attention (B, Hkv, L + M, d), L the longest kept, shorter heads padded at the front with
-    copies of their newest key (finite; beyond every window of the head, so weighed 0)."""
+    copies of their newest key (finite; beyond every window of the head, so weighed 0).
+
+    Where padding every head to L holds at most ``PADDED_WASTE`` more positions than the heads
+    keep (``padded``: key/value heads of near spans), the layer keeps (B, Hkv, L, d) instead,
+    transformers' sliding window of L + 1: one concatenation per update, no join."""
 
     def __init__(self, query_windows: list[int]) -> None:
         super().__init__(sliding_window=max(query_windows))
@@ -48,11 +55,15 @@ class SpanLayer(DynamicSlidingWindowLayer):
         group = len(self.query_windows) // kv_heads
         self.kept = [max(self.query_windows[g * group:(g + 1) * group]) - 1
                      for g in range(kv_heads)]
+        longest = max(self.kept)
+        self.padded = 0 < kv_heads * longest <= (1 + PADDED_WASTE) * sum(self.kept)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.padded:
+            return super().update(key_states, value_states)
         seen = self.cumulative_length
         self.cumulative_length += key_states.shape[-2]
         keys, self.keys = self._join(self.keys, key_states, seen)
