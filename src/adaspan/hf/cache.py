@@ -47,7 +47,7 @@ class SpanLayer(DynamicSlidingWindowLayer):
         super().__init__(sliding_window=max(query_windows))
         self.query_windows = query_windows
         self.kept: list[int] = []  # positions kept per key/value head, set by the first update
-        self._index_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._index_cache: tuple = ()  # (lengths, M, device), then the indices of the last join
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -72,8 +72,7 @@ class SpanLayer(DynamicSlidingWindowLayer):
 
     def _join(self, held: Tensor, new: Tensor, seen: int) -> tuple[Tensor, Tensor]:
         """(the held positions and ``new`` per head, padded: (B, Hkv, L + M, d); what each head
-        keeps of them, side by side), by two index operations whose indices are computed once
-        per held lengths (the same every token once the windows are full)."""
+        keeps of them, side by side), by two index operations (:meth:`_indices`)."""
         B, H, M, d = new.shape
         lengths = tuple(min(n, seen) for n in self.kept)
         spread, keep = self._indices(lengths, M, new.device)
@@ -84,9 +83,10 @@ class SpanLayer(DynamicSlidingWindowLayer):
     def _indices(self, lengths: tuple[int, ...], M: int, device: torch.device
                  ) -> tuple[Tensor, Tensor]:
         """Rows of [held; new] for each head's L + M positions (padding: a row of its own,
-        finite, beyond every query's window), and the positions each head keeps: cached."""
+        finite, beyond every query's window), and the positions each head keeps: those of the
+        last call kept (the same every token once the windows are full)."""
         key = (lengths, M, device)
-        if key not in self._index_cache:
+        if self._index_cache[:1] != (key,):
             L, held = max(lengths), sum(lengths)
             spread, keep, offset = [], [], 0
             for g, n in enumerate(lengths):
@@ -95,9 +95,8 @@ class SpanLayer(DynamicSlidingWindowLayer):
                 spread += range(first_new, first_new + M)
                 keep += range(g * (L + M) + max(0, L + M - self.kept[g]), (g + 1) * (L + M))
                 offset += n
-            self._index_cache[key] = tuple(torch.tensor(i, device=device)
-                                           for i in (spread, keep))
-        return self._index_cache[key]
+            self._index_cache = (key, *(torch.tensor(i, device=device) for i in (spread, keep)))
+        return self._index_cache[1:]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise UserError("SpanCache keeps no positions to roll back to (assisted decoding): "
