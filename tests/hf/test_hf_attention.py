@@ -152,8 +152,8 @@ def test_decoding_without_gradients_builds_the_mask_once_per_value_of_z(monkeypa
                 span.set_spans(span.spans().flip(0))
         with torch.no_grad():
             cache = DynamicCache()
-            logits = [model(IDS[:, :30], cache=cache).logits]
-            logits += [model(IDS[:, t:t + 1], cache=cache).logits for t in range(30, 40)]
+            logits = [model(IDS[:, :34], cache=cache).logits]  # 34 > 32: span_attention
+            logits += [model(IDS[:, t:t + 1], cache=cache).logits for t in range(34, 40)]
             expected = reference_hf_logits(model, IDS)
         torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-5, rtol=0)
         assert len(built) == 2 * rounds  # two layers
