@@ -13,10 +13,12 @@ from reference import reference_span_attention
 
 from adaspan.attention import functional
 from adaspan.attention.functional import (
+    decode_attention,
     grouped_span_attention,
     head_groups,
     key_window,
     span_attention,
+    span_log_mask,
 )
 
 S, R, D = 16, 4.0, 8
@@ -168,3 +170,51 @@ def test_grouped_attention_with_host_spans_equals_span_attention():
     assert {w for w, _, _ in groups} == {8, 16}
     out = grouped_span_attention(q, k, v, z.view(1, 8, 1), groups, R, pos, kernel=False)
     torch.testing.assert_close(out, span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos))
+
+
+def _decode_case(Hq, Hkv, M, T, with_pos, dtype):
+    """Inputs of :func:`decode_attention` with the spans of ``_inputs``' "head" (windows 6, 10,
+    16, 12), and those spans."""
+    q, k, v, z, pos = (None if t is None else t.detach() for t in
+                       _inputs(2, Hq, Hkv, M, T, "head", with_pos, dtype=dtype))
+    host = z.flatten().tolist()
+    return (q, k, v, span_log_mask(host, key_window(max(host), S, R), R), pos), z
+
+
+@pytest.mark.parametrize("with_pos", [True, False])
+@pytest.mark.parametrize("Hq,Hkv,M,T", [(4, 4, 1, 30), (8, 2, 1, 9), (4, 1, 1, 40), (4, 4, 1, 1),
+                                        (8, 2, 3, 25), (4, 1, 5, 7), (4, 4, 16, 16)])
+def test_decoding_all_heads_at_once_agrees_with_the_reference(Hq, Hkv, M, T, with_pos):
+    """MHA, GQA and MQA; one query and a few, keys fewer or more than the longest window."""
+    (q, k, v, log_mask, pos), z = _decode_case(Hq, Hkv, M, T, with_pos, torch.float32)
+    assert log_mask.shape == (Hq, 16)
+    for scale in (None, 0.2):
+        out = decode_attention(q, k, v, log_mask, pos=pos, scale=scale)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        expected = reference_span_attention(q, k, v, z, S, R, pos=pos, scale=scale)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_pos", [True, False])
+@pytest.mark.parametrize("Hq,Hkv,M,T", [(8, 2, 1, 30), (4, 1, 3, 12)])
+def test_decoding_all_heads_at_once_in_bfloat16(Hq, Hkv, M, T, with_pos):
+    (q, k, v, log_mask, pos), z = _decode_case(Hq, Hkv, M, T, with_pos, torch.bfloat16)
+    out = decode_attention(q, k, v, log_mask, pos=pos)
+    assert out.dtype == torch.bfloat16
+    expected = reference_span_attention(q, k, v, z, S, R, pos=pos)
+    torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_the_log_mask_is_the_soft_mask_by_distance_oldest_first():
+    mask = span_log_mask([0.0, 2.5], 4, 2.0)  # distances 3, 2, 1, 0
+    expected = torch.tensor([[0.0, 0.0, 0.5, 1.0], [0.75, 1.0, 1.0, 1.0]]).log()
+    torch.testing.assert_close(mask, expected)
+
+
+def test_spans_given_on_the_host_read_nothing_from_the_device(monkeypatch):
+    q, k, v, z, pos = _inputs(2, 8, 2, 6, 40, "head", True)
+    expected = span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("z read"))
+    host = [1.3, 5.7, 13.2, 7.5] * 2
+    out = span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos, z_host=host)
+    torch.testing.assert_close(out, expected)

@@ -132,3 +132,28 @@ def test_attention_without_spans_says_how_to_attach_them():
     model.set_attn_implementation("adaptive_span")
     with pytest.raises(UserError, match="add_spans"):
         model(IDS)
+
+
+def test_decoding_without_gradients_builds_the_mask_once_per_value_of_z(monkeypatch):
+    """Token by token without gradients (``decode_attention``): the logits of the naive soft
+    mask over the whole text; the log-mask built once per layer, again after the spans change."""
+    from transformers import DynamicCache
+
+    import adaspan.hf.attention as hf_attention
+
+    built = []
+    original = hf_attention.span_log_mask
+    monkeypatch.setattr(hf_attention, "span_log_mask",
+                        lambda *args: built.append(args) or original(*args))
+    model = short_spans(add_spans(tiny_hf("qwen2"), max_span=32, ramp=4))
+    for rounds in (1, 2):
+        if rounds == 2:
+            for span in span_modules(model):
+                span.set_spans(span.spans().flip(0))
+        with torch.no_grad():
+            cache = DynamicCache()
+            logits = [model(IDS[:, :34], cache=cache).logits]  # 34 > 32: span_attention
+            logits += [model(IDS[:, t:t + 1], cache=cache).logits for t in range(34, 40)]
+            expected = reference_hf_logits(model, IDS)
+        torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-5, rtol=0)
+        assert len(built) == 2 * rounds  # two layers

@@ -65,13 +65,21 @@ def test_the_cache_holds_no_more_than_the_window_however_long_the_text():
     assert kv_bytes(cache) == 2 * 2 * 3 * 2 * 8 * 4  # layers, keys and values, R - 1 keys
 
 
-def test_beam_search_reorders_the_kept_positions():
+@pytest.mark.parametrize("spans,padded", [([5.0, 30.0, 9.0, 12.0], False),
+                                          ([28.0, 30.0, 29.0, 27.0], True)])
+def test_beam_search_reorders_the_kept_positions(spans, padded):
+    """Key/value heads of windows 30 and 12 keep their own; of 30 and 29, both the longest
+    (one padding position per 57 kept, under ``PADDED_WASTE``)."""
     model = add_spans(tiny_hf("qwen2"), max_span=64, ramp=4, init=0.1)
     for span in span_modules(model):
-        span.set_spans(torch.tensor([5.0, 30.0, 9.0, 12.0]))
+        span.set_spans(torch.tensor(spans))
     options = dict(max_new_tokens=12, min_new_tokens=12, num_beams=3, do_sample=False)
     expected = model.generate(PROMPT, cache=DynamicCache(), **options)
-    assert torch.equal(model.generate(PROMPT, cache=SpanCache(model), **options), expected)
+    cache = SpanCache(model)
+    assert torch.equal(model.generate(PROMPT, cache=cache, **options), expected)
+    assert [layer.padded for layer in cache.layers] == [padded] * 2
+    held = 2 * 29 if padded else 29 + 11
+    assert kv_bytes(cache) == 2 * 2 * 3 * held * 8 * 4  # layers, keys and values, beams
 
 
 def test_a_static_cache_and_rolling_back_are_refused():

@@ -46,8 +46,8 @@ def rotate(x: Tensor, first: int, base: float = 10000.0) -> Tensor:
 
 def span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, *, max_span: int,
                    ramp: float, pos: Tensor | None = None, scale: float | None = None,
-                   dropout: float = 0.0, training: bool = False, z_min: float | None = None
-                   ) -> Tensor:
+                   dropout: float = 0.0, training: bool = False, z_min: float | None = None,
+                   z_host: list[float] | None = None) -> Tensor:
     """Eqs. 1-3 of the M newest positions over their keys at distances 0 .. S - 1.
 
     q: (B, Hq, M, d); k, v: (B, Hkv, T, d), T >= M, the last M keys the queries' own; query
@@ -56,15 +56,63 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, *, max_spa
     table (S, d) of p_x by distance x (None: no position product, e.g. rotary positions
     already in q and k); ``scale`` defaults to d ** -0.5. ``z_min``, the least z on the host,
     saves reading it; the key windows need each head's greatest z on the host (one read of z,
-    none when z is None). Returns (B, Hq, M, d) in the dtype of q.
+    none when z is None or ``z_host``, each head's z on the host, is given: z the same for
+    every row and query). Returns (B, Hq, M, d) in the dtype of q.
     """
     B, Hq, M, d = q.shape
     T = _check(q, k, v, pos, max_span)
     if scale is not None and scale != d**-0.5:  # the band kernel scales by d ** -0.5
         q = q * (scale * d**0.5)
     z = None if z is None else _per_head(z, B, Hq, M)
-    groups = _groups(z, Hq, max_span, ramp, T, z_min)
+    groups = (_groups(z, Hq, max_span, ramp, T, z_min) if z_host is None or z is None
+              else head_groups(z_host, z_host, max_span, ramp, T))
     return grouped_span_attention(q, k, v, z, groups, ramp, pos, dropout, training)
+
+
+def span_log_mask(z: list[float], window: int, ramp: float) -> Tensor:
+    """log m_z(x) of eq. 2 for each head (H, ``window``) at distances x = window - 1 .. 0
+    (the oldest key first, as keys are stored), -inf where m_z(x) = 0; built on the host from
+    each head's z on the host (float32)."""
+    x = torch.arange(window - 1, -1, -1, dtype=torch.float64)
+    m = ((ramp + torch.tensor(z, dtype=torch.float64)[:, None] - x) / ramp).clamp(0, 1)
+    return m.log().float()
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, log_mask: Tensor,
+                     pos: Tensor | None = None, scale: float | None = None) -> Tensor:
+    """Eqs. 1-3 of the M newest positions (few: decoding) with every head in a few operators,
+    without gradients of the mask: over the keys the longest window W sees, log m_z(x)
+    (``log_mask`` (Hq, W) of :func:`span_log_mask`; -inf beyond W and before the query) plus
+    the scores s = scale q . (k + p_x) in one product, a softmax (float32), so that exp(s) is
+    weighed by m_z(x) (eq. 2), times v. Grouped-query heads read their key head without
+    copying it (q as (B Hkv, G M, d)). Shapes as :func:`span_attention`."""
+    B, Hq, M, d = q.shape
+    Hkv, T, W = k.shape[1], k.shape[2], log_mask.shape[1]
+    n = min(T, W + M - 1)  # the keys some query sees
+    x = None if M == 1 and pos is None else (
+        n - M + torch.arange(M, device=q.device)[:, None]
+        - torch.arange(n, device=q.device))  # (M, n) distances
+    scale = d**-0.5 if scale is None else scale
+    mask = _distance_mask(log_mask, x, n).to(q.dtype).expand(B, Hq, M, n)
+    if pos is not None:  # scale q . p_x, each pair's own table row
+        p = pos[:W].to(q.dtype)[x.clamp(0, W - 1)]  # (M, n, d)
+        mask = mask + scale * torch.einsum("bhmd,mnd->bhmn", q, p)
+    rows = Hq // Hkv * M
+    keys, values = (t[:, :, T - n:].reshape(B * Hkv, n, d) for t in (k, v))
+    scores = torch.baddbmm(mask.reshape(B * Hkv, rows, n), q.reshape(B * Hkv, rows, d),
+                           keys.transpose(1, 2), alpha=scale)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.bmm(weights, values).view(B, Hq, M, d)
+
+
+def _distance_mask(log_mask: Tensor, x: Tensor | None, n: int) -> Tensor:
+    """log m_z(x) of each head for the keys' distances ``x`` (M, n), -inf outside 0 .. W - 1:
+    (Hq, M, n); x None: one query over the last n keys (a view)."""
+    W = log_mask.shape[1]
+    if x is None:
+        return log_mask[:, None, W - n:]
+    rows = log_mask[:, (W - 1 - x).clamp(0, W - 1)]
+    return rows.masked_fill((x < 0) | (x >= W), -math.inf)
 
 
 def grouped_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,

@@ -146,13 +146,14 @@ class AdaptiveSpan(Span):
     def z_penalty(self) -> Tensor:
         return self.z().sum()
 
-    def _version(self) -> tuple:
+    def version(self) -> tuple:
+        """What identifies the value of ``z'``: its version counter, storage and device."""
         z_frac = self.z_frac
         return z_frac._version, z_frac.data_ptr(), z_frac.device
 
     def stale(self) -> bool:
         """Whether ``z'`` changed since its host copy was read."""
-        return self._host is None or self._host[0] != self._version()
+        return self._host is None or self._host[0] != self.version()
 
     def host_z(self) -> list[float]:
         """``z`` of each head on the host (read from the device only when stale)."""
@@ -247,7 +248,7 @@ def read_spans(spans: Iterable[Span]) -> None:
         return
     values = torch.cat([span.z().detach().float() for span in stale]).tolist()
     for i, span in enumerate(stale):
-        span._host = (span._version(), values[i * span.n_heads : (i + 1) * span.n_heads])
+        span._host = (span.version(), values[i * span.n_heads : (i + 1) * span.n_heads])
 
 
 def span_loss(model: nn.Module, coef: float) -> Tensor:

@@ -19,11 +19,12 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..attention.functional import span_attention
+from ..attention.functional import decode_attention, key_window, span_attention, span_log_mask
 from ..attention.span import AdaptiveSpan
 from ..errors import UserError
 
 NAME = "adaptive_span"  # the attention implementation, and the attribute holding the span
+DECODE_QUERIES = 32  # calls of at most this many queries, without gradients: decode_attention
 
 _probe: list[tuple[nn.Module, int | None]] | None = None  # modules met by a probing forward
 
@@ -63,10 +64,27 @@ def adaptive_span_attention(module: nn.Module, query: Tensor, key: Tensor, value
     if attention_mask is not None:
         raise UserError("adaptive_span attention takes no prepared attention mask (a 4D mask "
                         "was given): pass a 2D mask of ones, or none")
-    out = span_attention(query, key, value, span(query), max_span=span.max_span,
-                         ramp=span.ramp, scale=scaling, dropout=dropout,
-                         training=module.training)
+    if query.shape[2] <= DECODE_QUERIES and not torch.is_grad_enabled() and not (
+            module.training and dropout):
+        out = decode_attention(query, key, value, decode_mask(span, query), scale=scaling)
+    else:
+        out = span_attention(query, key, value, span(query), max_span=span.max_span,
+                             ramp=span.ramp, scale=scaling, dropout=dropout,
+                             training=module.training, z_host=span.host_z())
     return out.transpose(1, 2).contiguous(), None
+
+
+def decode_mask(span: AdaptiveSpan, query: Tensor) -> Tensor:
+    """The log-mask of :func:`span_log_mask` over the span's longest window, on the device of
+    ``query``: built once per value of z' (its version) and device, then reused (no read of
+    z)."""
+    version = (span.version(), query.device)
+    cached = getattr(span, "_decode_mask", None)
+    if cached is None or cached[0] != version:
+        z = span.host_z()
+        mask = span_log_mask(z, key_window(max(z), span.max_span, span.ramp), span.ramp)
+        span._decode_mask = cached = (version, mask.to(query.device))
+    return cached[1]
 
 
 def adaptive_span_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,

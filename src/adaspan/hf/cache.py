@@ -29,17 +29,25 @@ def windows(model: nn.Module) -> list[int]:
     return [max(heads) for heads in head_windows(model)]
 
 
+PADDED_WASTE = 1 / 8  # the most padding, per position kept, of a layer held as one window
+
+
 class SpanLayer(DynamicSlidingWindowLayer):
     """The keys and values of one layer: key/value head g keeps its last ``kept[g]`` positions,
     all heads side by side in one tensor (B, sum of kept, d) so that transformers' batch
     operations (beam search's reordering, selecting rows) apply unchanged. ``update`` hands the
     attention (B, Hkv, L + M, d), L the longest kept, shorter heads padded at the front with
-    zeros that no query reads (they lie beyond its window)."""
+    copies of their newest key (finite; beyond every window of the head, so weighed 0).
+
+    Where padding every head to L holds at most ``PADDED_WASTE`` more positions than the heads
+    keep (``padded``: key/value heads of near spans), the layer keeps (B, Hkv, L, d) instead,
+    transformers' sliding window of L + 1: one concatenation per update, no join."""
 
     def __init__(self, query_windows: list[int]) -> None:
         super().__init__(sliding_window=max(query_windows))
         self.query_windows = query_windows
         self.kept: list[int] = []  # positions kept per key/value head, set by the first update
+        self._index_cache: tuple = ()  # (lengths, M, device), then the indices of the last join
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -47,11 +55,15 @@ class SpanLayer(DynamicSlidingWindowLayer):
         group = len(self.query_windows) // kv_heads
         self.kept = [max(self.query_windows[g * group:(g + 1) * group]) - 1
                      for g in range(kv_heads)]
+        longest = max(self.kept)
+        self.padded = 0 < kv_heads * longest <= (1 + PADDED_WASTE) * sum(self.kept)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.padded:
+            return super().update(key_states, value_states)
         seen = self.cumulative_length
         self.cumulative_length += key_states.shape[-2]
         keys, self.keys = self._join(self.keys, key_states, seen)
@@ -60,19 +72,31 @@ class SpanLayer(DynamicSlidingWindowLayer):
 
     def _join(self, held: Tensor, new: Tensor, seen: int) -> tuple[Tensor, Tensor]:
         """(the held positions and ``new`` per head, padded: (B, Hkv, L + M, d); what each head
-        keeps of them, side by side)."""
+        keeps of them, side by side), by two index operations (:meth:`_indices`)."""
         B, H, M, d = new.shape
-        lengths = [min(n, seen) for n in self.kept]
-        L = max(lengths)
-        joined = new.new_zeros(B, H, L + M, d)
-        joined[:, :, L:] = new
-        offset = 0
-        for g, n in enumerate(lengths):
-            if n:
-                joined[:, g, L - n:L] = held[:, offset:offset + n]
+        lengths = tuple(min(n, seen) for n in self.kept)
+        spread, keep = self._indices(lengths, M, new.device)
+        parts = [held, new.reshape(B, H * M, d)] if sum(lengths) else [new.reshape(B, H * M, d)]
+        joined = torch.cat(parts, dim=1).index_select(1, spread).view(B, H, -1, d)
+        return joined, joined.view(B, -1, d).index_select(1, keep)
+
+    def _indices(self, lengths: tuple[int, ...], M: int, device: torch.device
+                 ) -> tuple[Tensor, Tensor]:
+        """Rows of [held; new] for each head's L + M positions (padding: a row of its own,
+        finite, beyond every query's window), and the positions each head keeps: those of the
+        last call kept (the same every token once the windows are full)."""
+        key = (lengths, M, device)
+        if self._index_cache[:1] != (key,):
+            L, held = max(lengths), sum(lengths)
+            spread, keep, offset = [], [], 0
+            for g, n in enumerate(lengths):
+                first_new = held + g * M
+                spread += [first_new] * (L - n) + list(range(offset, offset + n))
+                spread += range(first_new, first_new + M)
+                keep += range(g * (L + M) + max(0, L + M - self.kept[g]), (g + 1) * (L + M))
                 offset += n
-        kept = [joined[:, g, max(0, L + M - n):] for g, n in enumerate(self.kept)]
-        return joined, torch.cat(kept, dim=1)
+            self._index_cache = (key, *(torch.tensor(i, device=device) for i in (spread, keep)))
+        return self._index_cache[1:]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise UserError("SpanCache keeps no positions to roll back to (assisted decoding): "
