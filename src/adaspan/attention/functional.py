@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import fused
-from .band import banded_attention
+from .band import banded_attention, log_soft_mask
 
 
 def key_window(z_max: float, max_span: int, ramp: float, bucket: int = 1) -> int:
@@ -74,8 +74,7 @@ def span_log_mask(z: list[float], window: int, ramp: float) -> Tensor:
     (the oldest key first, as keys are stored), -inf where m_z(x) = 0; built on the host from
     each head's z on the host (float32)."""
     x = torch.arange(window - 1, -1, -1, dtype=torch.float64)
-    m = ((ramp + torch.tensor(z, dtype=torch.float64)[:, None] - x) / ramp).clamp(0, 1)
-    return m.log().float()
+    return log_soft_mask(x, torch.tensor(z, dtype=torch.float64)[:, None], ramp).float()
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, log_mask: Tensor,

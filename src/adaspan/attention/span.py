@@ -253,12 +253,15 @@ def read_spans(spans: Iterable[Span]) -> None:
 
 def span_loss(model: nn.Module, coef: float) -> Tensor:
     """The span penalty of every learned span module in ``model`` (paper §2.2): for each,
-    ``coef / H * sum_i z_i`` over its H heads (lambda / M sum z). Zero when none is learned."""
-    terms = [t / span.n_heads for span in model.modules()
-             if isinstance(span, Span) and (t := span.z_penalty()) is not None]
-    if not terms:
-        return torch.zeros(())
-    return coef * torch.stack(terms).sum()
+    ``coef / H * sum_i z_i`` over its H heads (lambda / M sum z), summed over the modules of
+    each H first. Zero when none is learned."""
+    by_heads: dict[int, list[Tensor]] = {}
+    for span in model.modules():
+        if isinstance(span, Span) and (term := span.z_penalty()) is not None:
+            by_heads.setdefault(span.n_heads, []).append(term)
+    if not by_heads:
+        return next(model.parameters(), torch.zeros(())).new_zeros(())
+    return sum(coef / heads * torch.stack(terms).sum() for heads, terms in by_heads.items())
 
 
 def clamp_spans(model: nn.Module) -> None:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ..attention import baselines, expire, persistent, span_attention  # noqa: F401
 from ..attention.cache import Cache, KeyValueCache
 from ..attention.registry import ATTENTIONS
-from ..attention.span import Span, read_spans
+from ..attention.span import Span, read_spans, span_loss
 from .adaptive_io import AdaptiveInput, AdaptiveSoftmax, at_least_float32
 
 if TYPE_CHECKING:  # the configuration is handed down; config.py is a later layer
@@ -169,10 +169,7 @@ class SpanLM(nn.Module):
 
     def span_loss(self) -> Tensor:
         """Span penalty lambda / M * sum_i z_i over all heads of all layers (paper §2.2)."""
-        terms = [t for layer in self.layers if (t := layer.attn.span.z_penalty()) is not None]
-        if not terms:
-            return self.layers[0].norm1.weight.new_zeros(())
-        return self.config.span_loss_coef / self.config.n_heads * torch.stack(terms).sum()
+        return span_loss(self, self.config.span_loss_coef)
 
     @property
     def span_type(self) -> type[Span]:
