@@ -261,7 +261,8 @@ def span_loss(model: nn.Module, coef: float) -> Tensor:
             by_heads.setdefault(span.n_heads, []).append(term)
     if not by_heads:
         return next(model.parameters(), torch.zeros(())).new_zeros(())
-    return sum(coef / heads * torch.stack(terms).sum() for heads, terms in by_heads.items())
+    sums = [coef / heads * torch.stack(terms).sum() for heads, terms in by_heads.items()]
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
 
 
 def clamp_spans(model: nn.Module) -> None:
