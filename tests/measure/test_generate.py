@@ -12,7 +12,7 @@ from helpers import baseline_variants, span_variants, tiny
 from syncs import SyncCounter, assert_static_steps
 
 from adaspan.measure.generate import generate, stream
-from adaspan.model.decode import Decoder, decoder
+from adaspan.model.decode import Decoder, _Product, decoder
 
 
 def _decoded(model, tokens: torch.Tensor, prompt: int, fast: bool = True,
@@ -44,6 +44,42 @@ def test_decoder_gives_the_log_probabilities_of_one_forward_pass(name, changes, 
         expected, _ = model(tokens, model.empty_cache(1, keys_values=True))
     torch.testing.assert_close(_decoded(model, tokens, prompt, static=static),
                                expected[0, prompt:], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+@pytest.mark.parametrize("add", [False, True], ids=["", "plus-a"])
+def test_a_product_split_in_column_blocks_is_the_row_times_the_weight(parts, add):
+    """``_Product``: a + x W^T written into the buffer, whether the weight is kept whole or
+    in ``parts`` column blocks (5 does not divide the 12 columns: kept whole)."""
+    generator = torch.Generator().manual_seed(0)
+    weight, x, a = (torch.randn(*shape, generator=generator)
+                    for shape in ((12, 7), (1, 7), (1, 12)))
+    product = _Product(weight, torch.float32, parts)
+    out = torch.full((1, 12), float("nan"))
+    assert product(x, out, a if add else None) is out
+    assert product.parts == (1 if parts == 5 else parts)
+    expected = (a if add else 0) + x.double() @ weight.double().t()
+    torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", span_variants())
+def test_the_decoder_at_two_threads_splits_its_products_and_gives_the_same(name):
+    """On the CPU the fp32 decoder keeps its weights in one column block per thread (the suite
+    runs at one thread): with two, the same log-probabilities as the forward."""
+    model = tiny(name)
+    tokens = _tokens(model, 100)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            expected, cache = model(tokens[:, :1], model.empty_cache(1, keys_values=True))
+            parts = Decoder(model, cache, 1).layers[0].fc1_product.parts
+            expected, _ = model(tokens, model.empty_cache(1, keys_values=True))
+        got = _decoded(model, tokens, 30)
+    finally:
+        torch.set_num_threads(threads)
+    assert parts == 2
+    torch.testing.assert_close(got, expected[0, 30:], atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", span_variants())
