@@ -4,7 +4,9 @@
 on the race configuration (4 layers, d 256, 4 heads, FF 1024, S 1024, spans 93/60/56/38, batch
 8 x 256), after two warm-up steps. Prints one JSON line:
 
-- ``step_ms``: the step's mean milliseconds (profiled: a little slower than unprofiled);
+- ``step_ms``: the median milliseconds of ``--steps`` steps timed without the profiler (which
+  slows the step: ``profiled_step_ms``, the mean of the profiled steps, ran ~20% slower on
+  the race model at 2 threads);
 - ``ops``: the operators taking the most self CPU time, with ms and calls per step, and share;
 - ``model_gflops``: the step's model FLOPs rate (the paper's FLOPs, 3 x forward, as
   ``adaspan bench``'s ``train_gflops``);
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -46,6 +49,12 @@ def products(events, steps: int) -> dict[tuple[tuple[int, ...], tuple[int, ...]]
             a, b = (tuple(event.input_shapes[i]) for i in PRODUCTS[event.key])
             found[a, b] = found.get((a, b), 0.0) + event.count / steps
     return found
+
+
+def _seconds(step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
 
 
 def matmul_rate(shapes: dict, dtype: torch.dtype, repeats: int) -> float:
@@ -79,11 +88,12 @@ def main() -> None:
     step = training_step(model, args.batch, args.block, precision)
     for _ in range(2):  # warm-up (and compile)
         step()
+    elapsed = statistics.median(_seconds(step) for _ in range(args.steps))
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
-        elapsed = (time.perf_counter() - start) / args.steps
+        profiled = (time.perf_counter() - start) / args.steps
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     shapes = products(prof.key_averages(group_by_input_shape=True), args.steps)
@@ -93,7 +103,7 @@ def main() -> None:
     model_gflops /= 1e9
     print(json.dumps({
         "precision": precision.describe(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "step_ms": 1e3 * elapsed,
+        "torch": torch.__version__, "step_ms": 1e3 * elapsed, "profiled_step_ms": 1e3 * profiled,
         "model_gflops": model_gflops,
         "matmul": {f"{name}_gflops": rate for name, rate in rates.items()}
         | {"shapes": len(shapes)},
