@@ -14,7 +14,11 @@ on the race configuration (4 layers, d 256, 4 heads, FF 1024, S 1024, spans 93/6
   weighted by FLOPs and calls), timed in this process in bfloat16 and float32;
 - ``share``: model_gflops over the bf16 matmul rate (``share_float32``: over the fp32 rate):
   the fraction of the matrix units' rate on these shapes that the step achieves, a figure
-  comparable between machines.
+  comparable between machines;
+- ``products_ms``: the milliseconds per step of the products themselves, each call timed
+  where the step runs it (``--steps`` more steps under a ``TorchDispatchMode``), and
+  ``share_ceiling``: the share the step would have if everything else took no time (model
+  FLOPs over ``products_ms``, over the bf16 matmul rate).
 
     python scripts/profile_step.py [--steps 5] [--top 15] [--dtype auto] [--compile]
         [--batch 8] [--block 256] [--repeats 5] [--threads N]
@@ -30,6 +34,7 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaspan.config import ModelConfig
 from adaspan.measure.bench import build_bench_model, seconds, training_step
@@ -49,6 +54,25 @@ def products(events, steps: int) -> dict[tuple[tuple[int, ...], tuple[int, ...]]
             a, b = (tuple(event.input_shapes[i]) for i in PRODUCTS[event.key])
             found[a, b] = found.get((a, b), 0.0) + event.count / steps
     return found
+
+
+class ProductClock(TorchDispatchMode):
+    """Seconds spent in the matrix products (:data:`PRODUCTS`, and ``baddbmm``) of what runs
+    under it, forward and backward, each call timed alone."""
+
+    NAMES = {name.removeprefix("aten::") for name in PRODUCTS} | {"baddbmm"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in self.NAMES:
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.seconds += time.perf_counter() - start
+        return out
 
 
 def _seconds(step) -> float:
@@ -94,13 +118,17 @@ def main() -> None:
         for _ in range(args.steps):
             step()
         profiled = (time.perf_counter() - start) / args.steps
+    with ProductClock() as clock:
+        for _ in range(args.steps):
+            step()
+    products_s = clock.seconds / args.steps
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     shapes = products(prof.key_averages(group_by_input_shape=True), args.steps)
     rates = {name: matmul_rate(shapes, dtype, args.repeats)
              for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))}
-    model_gflops = 2 * 3 * flops_per_char(model, args.block) * args.batch * args.block / elapsed
-    model_gflops /= 1e9
+    model_gflop = 2 * 3 * flops_per_char(model, args.block) * args.batch * args.block / 1e9
+    model_gflops = model_gflop / elapsed
     print(json.dumps({
         "precision": precision.describe(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "step_ms": 1e3 * elapsed, "profiled_step_ms": 1e3 * profiled,
@@ -109,6 +137,8 @@ def main() -> None:
         | {"shapes": len(shapes)},
         "share": model_gflops / rates["bfloat16"],
         "share_float32": model_gflops / rates["float32"],
+        "products_ms": 1e3 * products_s,
+        "share_ceiling": model_gflop / products_s / rates["bfloat16"],
         "ops": [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / args.steps,
                  "calls_per_step": e.count / args.steps,
                  "share": e.self_cpu_time_total / total} for e in events[: args.top]],

@@ -61,6 +61,11 @@ def profile(out: str, tmp: Path) -> None:
     rates = result["matmul"]
     assert rates["shapes"] > 0 and rates["bfloat16_gflops"] > 0 and rates["float32_gflops"] > 0
     assert result["share"] == pytest.approx(result["model_gflops"] / rates["bfloat16_gflops"])
+    # the products are a part of the step (a small one at this size): the ceiling is above
+    # the share, by the ratio of the step's time to the products'
+    assert 0 < result["products_ms"] and result["share_ceiling"] > result["share"]
+    assert result["share_ceiling"] == pytest.approx(
+        result["share"] * result["step_ms"] / result["products_ms"])
 
 
 def markdown_table(out: str, tmp: Path) -> None:
