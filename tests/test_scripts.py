@@ -63,7 +63,7 @@ def profile(out: str, tmp: Path) -> None:
     assert result["share"] == pytest.approx(result["model_gflops"] / rates["bfloat16_gflops"])
     # the products are a part of the step (a small one at this size): the ceiling is above
     # the share, by the ratio of the step's time to the products'
-    assert 0 < result["products_ms"] and result["share_ceiling"] > result["share"]
+    assert result["products_ms"] > 0 and result["share_ceiling"] > result["share"]
     assert result["share_ceiling"] == pytest.approx(
         result["share"] * result["step_ms"] / result["products_ms"])
 

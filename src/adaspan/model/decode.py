@@ -413,12 +413,12 @@ class _Product:
     of a linear map, written into a buffer (1, out). W is kept as a contiguous (in, out)
     matrix (the row times it read row after row, faster than through a transposed view). On
     the CPU a product of one row runs on one thread, bound by how fast one core reads the
-    weight; with ``parts`` > 1 (the CPU's threads) the columns are kept in ``parts`` blocks
-    (parts, in, out / parts) and read by one batched product, a block per thread, whose
-    outputs side by side are the row."""
+    weight; given ``parts`` > 1 (the CPU's threads) the columns are kept in blocks, up to one
+    per thread (:func:`_blocks`), (blocks, in, out / blocks), and read by one batched product,
+    a block per thread, whose outputs side by side are the row."""
 
     def __init__(self, weight: Tensor, dtype: torch.dtype, parts: int = 1) -> None:
-        self.parts = parts if parts > 1 and weight.shape[0] % parts == 0 else 1
+        self.parts = _blocks(weight.shape[0], parts)
         columns = _transposed(weight, dtype)
         if self.parts > 1:
             columns = columns.unflatten(1, (self.parts, -1)).transpose(0, 1).contiguous()
@@ -436,6 +436,16 @@ class _Product:
         else:
             torch.baddbmm(add.view(self.parts, 1, -1), rows, self.weight, out=blocks)
         return out
+
+
+def _blocks(columns: int, threads: int, least: int = 64) -> int:
+    """How many column blocks a weight of ``columns`` outputs is kept in for ``threads``: the
+    most, up to one per thread, that divide the columns evenly into blocks of at least
+    ``least`` (1: kept whole). Timed at 2 threads only; the least width keeps a many-core
+    machine from splitting a small product into slivers whose threads cost more than they
+    read."""
+    return max((n for n in range(1, threads + 1)
+                if columns % n == 0 and columns // n >= least), default=1)
 
 
 def _transposed(weight: Tensor, dtype: torch.dtype) -> Tensor:
