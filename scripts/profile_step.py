@@ -22,11 +22,16 @@ on the race configuration (4 layers, d 256, 4 heads, FF 1024, S 1024, spans 93/6
 
     python scripts/profile_step.py [--steps 5] [--top 15] [--dtype auto] [--compile]
         [--batch 8] [--block 256] [--repeats 5] [--threads N]
+        [--model KEY=VALUE ...] [--spans 93,60,56,38]
+
+``--model`` changes the race model (e.g. ``d_model=512 n_heads=8 d_inner=2048 max_span=8192``)
+and ``--spans`` sets its spans, cycled over the heads (as ``adaspan bench --spans``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -43,6 +48,7 @@ from adaspan.training.precision import choose
 
 RACE = ModelConfig(vocab_size=256, d_model=256, n_heads=4, n_layers=4, d_inner=1024,
                    max_span=1024, ramp=32, dropout=0.0)
+SHOWN = ("n_layers", "d_model", "n_heads", "d_inner", "max_span", "ramp")  # printed
 PRODUCTS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}  # operand indices
 
 
@@ -75,6 +81,23 @@ class ProductClock(TorchDispatchMode):
         return out
 
 
+def model_config(items: list[str]) -> ModelConfig:
+    """:data:`RACE` with ``KEY=VALUE`` fields changed (numbers read as int or float)."""
+    changes = {}
+    for item in items:
+        key, _, text = item.partition("=")
+        changes[key] = next((kind(text) for kind in (int, float) if _parses(kind, text)), text)
+    return dataclasses.replace(RACE, **changes)
+
+
+def _parses(kind: type, text: str) -> bool:
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _seconds(step) -> float:
     start = time.perf_counter()
     step()
@@ -102,10 +125,14 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5, help="timings of each product")
     parser.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's)")
+    parser.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="fields of the race model to change")
+    parser.add_argument("--spans", default="93,60,56,38", help="cycled over the heads")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_bench_model(RACE, "93,60,56,38", torch.device("cpu"))
+    config = model_config(args.model)
+    model = build_bench_model(config, args.spans, torch.device("cpu"))
     if args.compile:
         model.compile_dense()
     precision = choose(args.dtype, torch.device("cpu"), "train")
@@ -131,7 +158,9 @@ def main() -> None:
     model_gflops = model_gflop / elapsed
     print(json.dumps({
         "precision": precision.describe(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "step_ms": 1e3 * elapsed, "profiled_step_ms": 1e3 * profiled,
+        "torch": torch.__version__, "spans": args.spans,
+        "model": {key: getattr(config, key) for key in SHOWN},
+        "step_ms": 1e3 * elapsed, "profiled_step_ms": 1e3 * profiled,
         "model_gflops": model_gflops,
         "matmul": {f"{name}_gflops": rate for name, rate in rates.items()}
         | {"shapes": len(shapes)},

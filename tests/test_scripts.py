@@ -55,15 +55,16 @@ def profile(out: str, tmp: Path) -> None:
     """The operators by self time (shares decreasing, summing to at most 1), the model's and
     the products' rates and their ratio."""
     result = json_lines(out)[-1]
+    assert result["model"]["d_model"] == 64 and result["spans"] == "40,48"  # as asked
     shares = [op["share"] for op in result["ops"]]
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1
     assert all(op["calls_per_step"] > 0 for op in result["ops"])
     rates = result["matmul"]
     assert rates["shapes"] > 0 and rates["bfloat16_gflops"] > 0 and rates["float32_gflops"] > 0
     assert result["share"] == pytest.approx(result["model_gflops"] / rates["bfloat16_gflops"])
-    # the products are a part of the step (a small one at this size): the ceiling is above
-    # the share, by the ratio of the step's time to the products'
-    assert result["products_ms"] > 0 and result["share_ceiling"] > result["share"]
+    # the ceiling is the share scaled by the step's time over its products' (timed in other
+    # steps: which is the larger depends on the machine's load at this size)
+    assert result["products_ms"] > 0
     assert result["share_ceiling"] == pytest.approx(
         result["share"] * result["step_ms"] / result["products_ms"])
 
@@ -109,7 +110,9 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
     "memory_estimate.py": (lambda tmp: [json.dumps([TINY_MODEL, 2, 16])],
                            has_keys("estimate_gb", "measured_gb")),
     "profile_step.py": (lambda tmp: ["--steps", "1", "--top", "3", "--batch", "1", "--block",
-                                     "16", "--repeats", "1"],
+                                     "16", "--repeats", "1", "--model", "d_model=64",
+                                     "n_heads=2", "d_inner=128", "max_span=128", "--spans",
+                                     "40,48"],
                         profile),
     "screenshot_report.sh": "bash -n",
     "span_experiment.py": (
