@@ -58,7 +58,7 @@ def test_a_product_split_in_column_blocks_is_the_row_times_the_weight(threads, b
     product = _Product(weight, torch.float32, threads)
     out = torch.full((1, 384), float("nan"))
     assert product(x, out, a if add else None) is out
-    assert product.parts == blocks
+    assert product.blocks == blocks
     expected = (a if add else 0) + x.double() @ weight.double().t()
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
@@ -75,12 +75,12 @@ def test_the_decoder_at_two_threads_splits_its_products_and_gives_the_same(name)
     try:
         with torch.no_grad():
             expected, cache = model(tokens[:, :1], model.empty_cache(1, keys_values=True))
-            parts = Decoder(model, cache, 1).layers[0].fc1_product.parts
+            blocks = Decoder(model, cache, 1).layers[0].fc1_product.blocks
             expected, _ = model(tokens, model.empty_cache(1, keys_values=True))
         got = _decoded(model, tokens, 30)
     finally:
         torch.set_num_threads(threads)
-    assert parts == 2
+    assert blocks == 2
     torch.testing.assert_close(got, expected[0, 30:], atol=2e-5, rtol=0)
 
 

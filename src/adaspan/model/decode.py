@@ -13,6 +13,8 @@ window's order and, for spans that do not depend on the input, each head's log m
 window's distances (dynamic spans: their v, cast once). Each token then runs the same few
 kernels, writing into preallocated buffers: no host-device synchronisation, and no allocation
 but the layer norms' outputs (and the masks of dynamic spans, computed per token from z_t).
+On the CPU the fp32 weights are kept in column blocks, up to one per thread, each product of
+the token's row a batched product over them (:class:`_Product`): each core reads its share.
 
 Two decoders keep the keys and values in a ring of slots, position t at slot ``t % W``:
 
@@ -104,14 +106,14 @@ class _Decoding:
         # the CPU's threads share each product of fp32 weights (timed faster at 2 threads;
         # bf16 products of one row were slower split)
         split = weight.device.type == "cpu" and dtype == torch.float32
-        parts = torch.get_num_threads() if split else 1
-        self.layers = [layer_type(layer, model.pos, layer_cache, position, dtype, parts)
+        threads = torch.get_num_threads() if split else 1
+        self.layers = [layer_type(layer, model.pos, layer_cache, position, dtype, threads)
                        for layer, layer_cache in zip(model.layers, cache, strict=True)]
         adaptive = isinstance(model.out, AdaptiveSoftmax)
         self.adaptive_softmax = model.out if adaptive else None
         self.adaptive_input = model.embed if isinstance(model.embed, AdaptiveInput) else None
         if not adaptive:
-            self.out_product = _Product(model.out.weight, dtype, parts)
+            self.out_product = _Product(model.out.weight, dtype, threads)
             self.out_bias = model.out.bias.to(dtype)
             self.logits = self.out_bias.new_empty(1, model.config.vocab_size)
         self.log_probs = weight.new_empty(1, model.config.vocab_size)
@@ -254,7 +256,7 @@ class _LayerDecoder(ABC):
     copies: int
 
     def __init__(self, layer: Layer, pos: Tensor | None, cache: KeyValueCache, position: int,
-                 dtype: torch.dtype, parts: int = 1) -> None:
+                 dtype: torch.dtype, threads: int = 1) -> None:
         attn, ff, D = layer.attn, layer.ff, layer.attn.d_model
         self.span, self.ramp, self.dtype = attn.span, attn.ramp, dtype
         z = None if self.span.input_dependent else self.span(attn.q.weight.new_zeros(1, 1, D))
@@ -262,8 +264,8 @@ class _LayerDecoder(ABC):
                            else max(self.span.windows(z)))
         self.qkv_product = _Product(
             torch.cat([attn.q.weight * attn.d_head**-0.5, attn.k.weight, attn.v.weight]), dtype,
-            parts)
-        self.o_product = _Product(attn.o.weight, dtype, parts)
+            threads)
+        self.o_product = _Product(attn.o.weight, dtype, threads)
         # column j of the scores is key j of the window, at distance W - j: p_{W - j}
         self.pos_t = attn.positions(pos)[:W].flip(0).t().to(dtype).contiguous()  # (dh, W)
         self.distance = torch.arange(W, 0, -1, device=attn.q.weight.device,
@@ -274,9 +276,9 @@ class _LayerDecoder(ABC):
         # h + b_2 comes out of norm1 (its bias plus b_2), so fc1 takes b_1 - W_1 b_2
         self.norm1 = _LayerNorm(layer.norm1, dtype, shift=ff.fc2.bias)
         self.norm2 = _LayerNorm(layer.norm2, dtype)
-        self.fc1_product = _Product(ff.fc1.weight, dtype, parts)
+        self.fc1_product = _Product(ff.fc1.weight, dtype, threads)
         self.fc1_bias = (ff.fc1.bias - ff.fc1.weight @ ff.fc2.bias).to(dtype)
-        self.fc2_product = _Product(ff.fc2.weight, dtype, parts)
+        self.fc2_product = _Product(ff.fc2.weight, dtype, threads)
         self._buffers(attn.n_heads, attn.d_head, D, ff.fc1.out_features, attn.q.weight.device)
         self._fill(cache, position)
 
@@ -413,28 +415,29 @@ class _Product:
     of a linear map, written into a buffer (1, out). W is kept as a contiguous (in, out)
     matrix (the row times it read row after row, faster than through a transposed view). On
     the CPU a product of one row runs on one thread, bound by how fast one core reads the
-    weight; given ``parts`` > 1 (the CPU's threads) the columns are kept in blocks, up to one
+    weight; given ``threads`` > 1 (the CPU's) the columns are kept in blocks, up to one
     per thread (:func:`_blocks`), (blocks, in, out / blocks), and read by one batched product,
     a block per thread, whose outputs side by side are the row."""
 
-    def __init__(self, weight: Tensor, dtype: torch.dtype, parts: int = 1) -> None:
-        self.parts = _blocks(weight.shape[0], parts)
+    def __init__(self, weight: Tensor, dtype: torch.dtype, threads: int = 1) -> None:
+        self.blocks = _blocks(weight.shape[0], threads)
         columns = _transposed(weight, dtype)
-        if self.parts > 1:
-            columns = columns.unflatten(1, (self.parts, -1)).transpose(0, 1).contiguous()
+        if self.blocks > 1:
+            columns = columns.unflatten(1, (self.blocks, -1)).transpose(0, 1).contiguous()
         self.weight = columns
 
     def __call__(self, x: Tensor, out: Tensor, add: Tensor | None = None) -> Tensor:
         """``out = add + x W^T`` (``x W^T`` without ``add``); returns ``out``."""
-        if self.parts == 1:
+        if self.blocks == 1:
             if add is None:
                 return torch.mm(x, self.weight, out=out)
             return torch.addmm(add, x, self.weight, out=out)
-        rows, blocks = x.expand(self.parts, -1, -1), out.view(self.parts, 1, -1)
+        n = self.blocks
+        rows, outputs = x.expand(n, -1, -1), out.view(n, 1, -1)
         if add is None:
-            torch.bmm(rows, self.weight, out=blocks)
+            torch.bmm(rows, self.weight, out=outputs)
         else:
-            torch.baddbmm(add.view(self.parts, 1, -1), rows, self.weight, out=blocks)
+            torch.baddbmm(add.view(n, 1, -1), rows, self.weight, out=outputs)
         return out
 
 
