@@ -31,7 +31,6 @@ and ``--spans`` sets its spans, cycled over the heads (as ``adaspan bench --span
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import statistics
@@ -41,9 +40,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaspan.config import ModelConfig
+from adaspan.config import ModelConfig, TrainConfig
 from adaspan.measure.bench import build_bench_model, seconds, training_step
 from adaspan.model.analysis import flops_per_char
+from adaspan.resolve import resolve_config
 from adaspan.training.precision import choose
 
 RACE = ModelConfig(vocab_size=256, d_model=256, n_heads=4, n_layers=4, d_inner=1024,
@@ -82,20 +82,8 @@ class ProductClock(TorchDispatchMode):
 
 
 def model_config(items: list[str]) -> ModelConfig:
-    """:data:`RACE` with ``KEY=VALUE`` fields changed (numbers read as int or float)."""
-    changes = {}
-    for item in items:
-        key, _, text = item.partition("=")
-        changes[key] = next((kind(text) for kind in (int, float) if _parses(kind, text)), text)
-    return dataclasses.replace(RACE, **changes)
-
-
-def _parses(kind: type, text: str) -> bool:
-    try:
-        kind(text)
-    except ValueError:
-        return False
-    return True
+    """:data:`RACE` with ``KEY=VALUE`` fields changed, read as ``adaspan`` reads them."""
+    return resolve_config(overrides=items, base=(RACE, TrainConfig()))[0]
 
 
 def _seconds(step) -> float:

@@ -22,13 +22,7 @@ from torch import Tensor
 
 from . import fused
 from .band import banded_attention, log_soft_mask
-
-
-def key_window(z_max: float, max_span: int, ramp: float, bucket: int = 1) -> int:
-    """Keys a head still sees with spans up to ``z_max``: ``min(S, ceil(z_max + R))`` rounded
-    up to a multiple of ``bucket`` (beyond it the mask m_z is 0)."""
-    window = -(-math.ceil(z_max + ramp) // bucket) * bucket
-    return min(max_span, window)
+from .span import head_bounds, key_window
 
 
 def rotate(x: Tensor, first: int, base: float = 10000.0) -> Tensor:
@@ -217,11 +211,10 @@ def _groups(z: Tensor | None, H: int, max_span: int, ramp: float, T: int,
     ``key_window`` of each head's greatest z, capped at T (one read of z from the device)."""
     if z is None:
         return [(min(max_span, T), list(range(H)), 0.0)]
-    z = z.detach()
     if z_min is None:
-        least, greatest = torch.stack([z.amin(dim=(0, 2)), z.amax(dim=(0, 2))]).tolist()
+        least, greatest = head_bounds(z)
     else:
-        least, greatest = [z_min] * H, z.amax(dim=(0, 2)).tolist()
+        least, greatest = [z_min] * H, z.detach().amax(dim=(0, 2)).tolist()
     return head_groups(least, greatest, max_span, ramp, T)
 
 

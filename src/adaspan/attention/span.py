@@ -61,9 +61,7 @@ class Span(nn.Module):
         heads are unmasked). Reading them is one host-device synchronisation."""
         if z is None:
             return None
-        z = z.detach().reshape(-1, self.n_heads, z.shape[-1])
-        least, greatest = torch.stack([z.amin(dim=(0, 2)), z.amax(dim=(0, 2))]).tolist()
-        return least, greatest
+        return head_bounds(z.reshape(-1, self.n_heads, z.shape[-1]))
 
     def windows(self, z: Tensor | None) -> list[int]:
         """Keys each head can still see: ``min(S, ceil(max z + R))`` (beyond, the mask is 0)."""
@@ -109,12 +107,27 @@ class FixedSpan(Span):
         return None
 
 
+def head_bounds(z: Tensor) -> tuple[list[float], list[float]]:
+    """Least and greatest of ``z`` (N, H, T) for each head h, on the host (one read)."""
+    z = z.detach()
+    least, greatest = torch.stack([z.amin(dim=(0, 2)), z.amax(dim=(0, 2))]).tolist()
+    return least, greatest
+
+
+def key_window(z_max: float, max_span: int, ramp: float, bucket: int = 1) -> int:
+    """Keys a head still sees with spans up to ``z_max``: ``min(S, ceil(z_max + R))`` rounded
+    up to a multiple of ``bucket`` (beyond it the mask m_z is 0)."""
+    window = -(-math.ceil(z_max + ramp) // bucket) * bucket
+    return min(max_span, window)
+
+
 def windows_of(bounds: tuple[list[float], list[float]] | None, max_span: int, ramp: int,
-               n_heads: int) -> list[int]:
-    """Keys each head can still see, ``min(S, ceil(max z + R))``, from :meth:`Span.z_bounds`."""
+               n_heads: int, bucket: int = 1) -> list[int]:
+    """Keys each head can still see, :func:`key_window` of its greatest z, from
+    :meth:`Span.z_bounds` (S for unmasked heads)."""
     if bounds is None:
         return [max_span] * n_heads
-    return [min(max_span, math.ceil(v + ramp)) for v in bounds[1]]
+    return [key_window(v, max_span, ramp, bucket) for v in bounds[1]]
 
 
 class AdaptiveSpan(Span):

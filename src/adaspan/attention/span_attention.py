@@ -143,8 +143,7 @@ class SpanAttention(Attention):
     def _key_windows(self, bounds: tuple[list[float], list[float]] | None) -> list[int]:
         if self.truncation == "none":
             return [self.max_span] * self.n_heads
-        windows = [min(self.max_span, -(-w // self.bucket) * self.bucket)
-                   for w in windows_of(bounds, self.max_span, self.ramp, self.n_heads)]
+        windows = windows_of(bounds, self.max_span, self.ramp, self.n_heads, self.bucket)
         if self.truncation == "layer":
             return [max(windows)] * self.n_heads
         return windows
