@@ -14,7 +14,9 @@ its z is z + 1 (m_{z+1}(x + 1) = m_z(x)) and its table row d - 1 is row x of ``p
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -143,17 +145,13 @@ def _fused_heads(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,
     if q.is_cuda and not fused.compiled(q.dtype, q.shape[-1],
                                         fused.precision(q.dtype, "cuda"), backward):
         return None
-    windows = [0] * q.shape[1]
-    for window, heads, _ in groups:
-        for head in heads:
-            windows[head] = window
+    windows = windows_by_head((window, heads) for window, heads, _ in groups)
     longest, (T, M) = max(windows), (k.shape[2], q.shape[2])
     table = q.new_zeros(longest, q.shape[-1]) if pos is None else pos[:longest]
     kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2)  # (B, T, 2, Hkv, d)
     try:
         out = fused.band_attention(q, kv, table, None if z is None else z + 1,
-                                   torch.tensor(windows, dtype=torch.int32, device=q.device),
-                                   T - M + 1, ramp, dropout)
+                                   window_tensor(windows, q.device), T - M + 1, ramp, dropout)
     except fused.ResourcesExceeded:
         return None
     return out.transpose(1, 2)
@@ -166,8 +164,8 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor | None, z: Ten
     kernel (distances shifted by one: its key t + w - 1 is query t's own)."""
     T, M = k.shape[2], q.shape[2]
     lo = T - M - window + 1  # the first key of the first query's window
-    rows = _index(heads, q.device)
-    kv = _index([h // (q.shape[1] // k.shape[1]) for h in heads], q.device)
+    rows = head_index(tuple(heads), q.device)
+    kv = head_index(tuple(h // (q.shape[1] // k.shape[1]) for h in heads), q.device)
     keys, values = (t[:, kv, max(lo, 0):] for t in (k, v))
     if lo < 0:  # the first queries' windows begin before position 0: absent keys
         keys, values = (F.pad(t, (0, 0, -lo, 0)) for t in (keys, values))
@@ -229,9 +227,24 @@ def head_groups(least: list[float], greatest: list[float], max_span: int, ramp: 
     return [(w, heads, min(least[h] for h in heads)) for w, heads in members.items()]
 
 
-def _index(heads: list[int], device: torch.device) -> slice | Tensor:
+@functools.lru_cache(maxsize=256)
+def head_index(heads: tuple[int, ...], device: torch.device) -> slice | Tensor:
     """The heads ``heads`` as an index of a head dimension: a slice (a view) when they are
-    consecutive, else an index tensor on ``device``."""
-    if heads == list(range(heads[0], heads[-1] + 1)):
+    consecutive, else an index tensor on ``device`` (uploaded once per value, not at every
+    call)."""
+    if heads == tuple(range(heads[0], heads[-1] + 1)):
         return slice(heads[0], heads[-1] + 1)
     return torch.tensor(heads, device=device)
+
+
+def windows_by_head(groups: Iterable[tuple[int, Sequence[int]]]) -> tuple[int, ...]:
+    """Each head's key window, from (window, heads) groups that cover every head once."""
+    windows = {head: window for window, heads in groups for head in heads}
+    return tuple(windows[head] for head in range(len(windows)))
+
+
+@functools.lru_cache(maxsize=256)
+def window_tensor(windows: tuple[int, ...], device: torch.device) -> Tensor:
+    """Each head's window as the fused kernel reads it, (H,) int32 on ``device`` (uploaded
+    once per value, not at every call)."""
+    return torch.tensor(windows, dtype=torch.int32, device=device)

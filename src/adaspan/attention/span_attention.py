@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from . import fused
 from .band import banded_attention
 from .cache import KeyValueCache, advance, fit_cache
-from .functional import grouped_span_attention, rotate
+from .functional import grouped_span_attention, head_index, rotate, window_tensor, windows_by_head
 from .fused import KERNELS
 from .registry import register_attention
 from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, windows_of
@@ -263,8 +263,7 @@ def _functional_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor |
     groups = [(min(g.window, T), list(g.members),
                0.0 if bounds is None else min(bounds[0][h] for h in g.members))
               for g in layout.groups]
-    dropout = attn.dropout if attn.training else 0.0
-    out = grouped_span_attention(q, keys, values, z, groups, attn.ramp, dropout=dropout,
+    out = grouped_span_attention(q, keys, values, z, groups, attn.ramp, dropout=attn.dropout,
                                  training=attn.training, kernel=attn.uses_fused(x))
     return out.transpose(1, 2), new_cache
 
@@ -378,11 +377,8 @@ class _Layout:
     def windows(self) -> Tensor:
         """Each head's window, (H,) int32 on the device (for the fused kernel; uploaded at
         its first use)."""
-        windows = [0] * sum(len(g.members) for g in self.groups)
-        for group in self.groups:
-            for head in group.members:
-                windows[head] = group.window
-        return torch.tensor(windows, dtype=torch.int32, device=self.device)
+        return window_tensor(windows_by_head((g.window, g.members) for g in self.groups),
+                             self.device)
 
     @classmethod
     def of(cls, windows: tuple[int, ...], d_head: int, device: torch.device) -> _Layout:
@@ -401,10 +397,8 @@ def _indices(heads: list[int], d_head: int, device: torch.device
              ) -> tuple[slice | Tensor, slice | Tensor]:
     """The heads ``heads`` as an index of the head dimension and of the rows of W_k, W_v:
     slices (views, no copy) when they are consecutive, else index tensors on ``device``."""
-    if heads == list(range(heads[0], heads[-1] + 1)):
-        return slice(heads[0], heads[-1] + 1), slice(heads[0] * d_head, (heads[-1] + 1) * d_head)
-    rows = [h * d_head + i for h in heads for i in range(d_head)]
-    return torch.tensor(heads, device=device), torch.tensor(rows, device=device)
+    rows = tuple(h * d_head + i for h in heads for i in range(d_head))
+    return head_index(tuple(heads), device), head_index(rows, device)
 
 
 def fixed_span(config: ModelConfig) -> FixedSpan:
