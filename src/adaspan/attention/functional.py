@@ -14,7 +14,6 @@ its z is z + 1 (m_{z+1}(x + 1) = m_z(x)) and its table row d - 1 is row x of ``p
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -113,15 +112,18 @@ def _distance_mask(log_mask: Tensor, x: Tensor | None, n: int) -> Tensor:
 def grouped_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,
                            groups: list[tuple[int, list[int], float]], ramp: float,
                            pos: Tensor | None = None, dropout: float = 0.0,
-                           training: bool = False, kernel: bool | None = None) -> Tensor:
+                           training: bool = False, kernel: bool | None = None,
+                           windows: Tensor | None = None) -> Tensor:
     """:func:`span_attention` (scale d ** -0.5, z (B|1, Hq, M|1) or None) with the heads
     grouped by the caller: ``groups`` of (key window w <= T, query heads, least z of those
     heads), each head's window at least ``key_window`` of its greatest z. ``kernel``: all
     heads in the fused kernel of :mod:`adaspan.attention.fused` (None: on CUDA where Triton
     is installed), else (or where it cannot run these heads) each group with the band
-    kernel."""
+    kernel; ``windows``: the groups' :func:`window_tensor` on the device, where the caller
+    keeps it (else made at each call)."""
     if kernel or (kernel is None and q.is_cuda and fused.available()):
-        out = _fused_heads(q, k, v, z, groups, ramp, pos, dropout if training else 0.0)
+        out = _fused_heads(q, k, v, z, groups, ramp, pos, dropout if training else 0.0,
+                           windows)
         if out is not None:
             return out
     outputs = [_group_attention(q, k, v, pos, z, window, heads, z_least, ramp, dropout,
@@ -136,7 +138,7 @@ def grouped_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,
 
 def _fused_heads(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,
                  groups: list[tuple[int, list[int], float]], ramp: float, pos: Tensor | None,
-                 dropout: float) -> Tensor | None:
+                 dropout: float, windows: Tensor | None = None) -> Tensor | None:
     """Every head in one fused kernel, each over its window (the kernel's distance d is
     x + 1, its z is z + 1, its history T - M + 1; without ``pos`` its table is zeros); None
     where the kernel is not compiled for these heads or the device cannot run it."""
@@ -145,13 +147,14 @@ def _fused_heads(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None,
     if q.is_cuda and not fused.compiled(q.dtype, q.shape[-1],
                                         fused.precision(q.dtype, "cuda"), backward):
         return None
-    windows = windows_by_head((window, heads) for window, heads, _ in groups)
-    longest, (T, M) = max(windows), (k.shape[2], q.shape[2])
+    longest, (T, M) = max(window for window, _, _ in groups), (k.shape[2], q.shape[2])
+    if windows is None:
+        windows = window_tensor(windows_by_head((w, heads) for w, heads, _ in groups), q.device)
     table = q.new_zeros(longest, q.shape[-1]) if pos is None else pos[:longest]
     kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2)  # (B, T, 2, Hkv, d)
     try:
         out = fused.band_attention(q, kv, table, None if z is None else z + 1,
-                                   window_tensor(windows, q.device), T - M + 1, ramp, dropout)
+                                   windows, T - M + 1, ramp, dropout)
     except fused.ResourcesExceeded:
         return None
     return out.transpose(1, 2)
@@ -164,8 +167,8 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor | None, z: Ten
     kernel (distances shifted by one: its key t + w - 1 is query t's own)."""
     T, M = k.shape[2], q.shape[2]
     lo = T - M - window + 1  # the first key of the first query's window
-    rows = head_index(tuple(heads), q.device)
-    kv = head_index(tuple(h // (q.shape[1] // k.shape[1]) for h in heads), q.device)
+    rows = head_index(heads, q.device)
+    kv = head_index([h // (q.shape[1] // k.shape[1]) for h in heads], q.device)
     keys, values = (t[:, kv, max(lo, 0):] for t in (k, v))
     if lo < 0:  # the first queries' windows begin before position 0: absent keys
         keys, values = (F.pad(t, (0, 0, -lo, 0)) for t in (keys, values))
@@ -227,14 +230,12 @@ def head_groups(least: list[float], greatest: list[float], max_span: int, ramp: 
     return [(w, heads, min(least[h] for h in heads)) for w, heads in members.items()]
 
 
-@functools.lru_cache(maxsize=256)
-def head_index(heads: tuple[int, ...], device: torch.device) -> slice | Tensor:
+def head_index(heads: Sequence[int], device: torch.device) -> slice | Tensor:
     """The heads ``heads`` as an index of a head dimension: a slice (a view) when they are
-    consecutive, else an index tensor on ``device`` (uploaded once per value, not at every
-    call)."""
-    if heads == tuple(range(heads[0], heads[-1] + 1)):
+    consecutive, else an index tensor on ``device``."""
+    if list(heads) == list(range(heads[0], heads[-1] + 1)):
         return slice(heads[0], heads[-1] + 1)
-    return torch.tensor(heads, device=device)
+    return torch.tensor(list(heads), device=device)
 
 
 def windows_by_head(groups: Iterable[tuple[int, Sequence[int]]]) -> tuple[int, ...]:
@@ -243,8 +244,6 @@ def windows_by_head(groups: Iterable[tuple[int, Sequence[int]]]) -> tuple[int, .
     return tuple(windows[head] for head in range(len(windows)))
 
 
-@functools.lru_cache(maxsize=256)
-def window_tensor(windows: tuple[int, ...], device: torch.device) -> Tensor:
-    """Each head's window as the fused kernel reads it, (H,) int32 on ``device`` (uploaded
-    once per value, not at every call)."""
+def window_tensor(windows: Sequence[int], device: torch.device) -> Tensor:
+    """Each head's window as the fused kernel reads it, (H,) int32 on ``device``."""
     return torch.tensor(windows, dtype=torch.int32, device=device)

@@ -263,8 +263,11 @@ def _functional_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor |
     groups = [(min(g.window, T), list(g.members),
                0.0 if bounds is None else min(bounds[0][h] for h in g.members))
               for g in layout.groups]
+    fused_kernel = attn.uses_fused(x)
+    kept = fused_kernel and layout.longest <= T  # the layout's windows, none capped at T
     out = grouped_span_attention(q, keys, values, z, groups, attn.ramp, dropout=attn.dropout,
-                                 training=attn.training, kernel=attn.uses_fused(x))
+                                 training=attn.training, kernel=fused_kernel,
+                                 windows=layout.windows if kept else None)
     return out.transpose(1, 2), new_cache
 
 
@@ -397,8 +400,8 @@ def _indices(heads: list[int], d_head: int, device: torch.device
              ) -> tuple[slice | Tensor, slice | Tensor]:
     """The heads ``heads`` as an index of the head dimension and of the rows of W_k, W_v:
     slices (views, no copy) when they are consecutive, else index tensors on ``device``."""
-    rows = tuple(h * d_head + i for h in heads for i in range(d_head))
-    return head_index(tuple(heads), device), head_index(rows, device)
+    rows = [h * d_head + i for h in heads for i in range(d_head)]
+    return head_index(heads, device), head_index(rows, device)
 
 
 def fixed_span(config: ModelConfig) -> FixedSpan:
