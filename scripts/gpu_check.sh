@@ -18,7 +18,7 @@ out=gpu_check
 mkdir -p "$out"
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
   echo '{"error": "no CUDA device visible to torch"}'; exit 2; }
-python -m pytest -q tests/test_cuda.py -rs > "$out/tests.txt" 2>&1
+python -m pytest tests/test_cuda.py -rs > "$out/tests.txt" 2>&1
 tests_rc=$?
 python scripts/against_official.py --official "$official" --configs race,reference \
   --rounds 3 --device cuda --out "$out/against_official.json" > "$out/against_official.txt" 2>&1

@@ -101,9 +101,10 @@ def test_generation_replays_the_static_step_from_a_cuda_graph(name, dtype):
                                atol=1e-4 if fp32 else 0.1, rtol=0)
 
 
-def test_a_steady_training_step_waits_at_most_once():
+@pytest.mark.parametrize("optimizer", ["adamw", "adagrad"])  # Adagrad's fused kernel: CPU only
+def test_a_steady_training_step_waits_at_most_once(optimizer):
     model = tiny("adaptive").train().to(CUDA)
-    config = TrainConfig(batch_size=2, optimizer="adamw", lr=1e-6, warmup=0, clip=1.0,
+    config = TrainConfig(batch_size=2, optimizer=optimizer, lr=1e-6, warmup=0, clip=1.0,
                          clip_mode="per-tensor-lr", dtype="float32")
     x = torch.randint(0, 32, (2, 16), device=CUDA)
     waits = steady_step_waits(model, config, x, x)
@@ -167,4 +168,4 @@ def test_adaptive_input_and_softmax_on_cuda(tie_io):
     config = TrainConfig(batch_size=2, optimizer="adamw", lr=1e-6, warmup=0, clip=1.0,
                          dtype="float32")
     waits = steady_step_waits(model, config, x.to(CUDA), y.to(CUDA))
-    assert len(waits) <= 1, waits
+    assert len(waits) <= 2, waits  # the spans' read and the clusters' counts

@@ -40,6 +40,7 @@ from adaspan.training.checkpoint import (
 )
 from adaspan.training.evaluate import evaluate
 from adaspan.training.optim import (
+    FUSED_DEVICES,
     build_optimizer,
     build_scheduler,
     fused_where_offered,
@@ -316,6 +317,19 @@ def test_the_optimiser_is_fused_where_torch_offers_it(optimizer):
 
     fallback = fused_where_offered(Unfused, model.parameters(), lr=0.25)
     assert not fallback.defaults["fused"] and fallback.defaults["lr"] == 0.25
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adagrad, torch.optim.AdamW])
+def test_the_optimiser_is_fused_only_on_devices_its_kernel_runs_on(kind):
+    """On a device without the optimiser's fused kernel (Adagrad's runs on the CPU only; here
+    "meta" stands for CUDA), the per-tensor loop, not an optimiser that fails at its first
+    step; on the CPU, fused."""
+    assert "cpu" in FUSED_DEVICES[kind] and "meta" not in FUSED_DEVICES[kind]
+    assert "cuda" not in FUSED_DEVICES[torch.optim.Adagrad]
+    groups = [{"params": [torch.zeros(2, 2, device="meta", requires_grad=True)]}]
+    assert not fused_where_offered(kind, groups, lr=0.1).defaults["fused"]
+    assert fused_where_offered(kind, [torch.zeros(2, requires_grad=True)],
+                               lr=0.1).defaults["fused"] is True
 
 
 def test_global_clipping_bounds_the_joint_norm_of_the_step():

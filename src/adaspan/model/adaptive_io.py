@@ -63,9 +63,11 @@ class Clusters:
 
     def members(self, cluster: Tensor) -> list[Tensor]:
         """Per cluster, the positions of the flat ``cluster`` ids in it (possibly none): one
-        stable sort and one host read of the counts (the only host-device synchronisation)."""
+        stable sort and one host read of the counts (the only host-device synchronisation:
+        counted by ``scatter_add_``, since ``torch.bincount`` on CUDA reads the maximum first)."""
         order = torch.argsort(cluster, stable=True)
-        counts = torch.bincount(cluster, minlength=len(self)).tolist()
+        counts = cluster.new_zeros(len(self)).scatter_add_(0, cluster, torch.ones_like(cluster))
+        counts = counts.tolist()
         return list(order.split(counts))
 
     def flops(self) -> int:

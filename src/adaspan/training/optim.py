@@ -34,12 +34,26 @@ def build_optimizer(model: SpanLM, config: TrainConfig) -> torch.optim.Optimizer
     return fused_where_offered(kind, groups, lr=config.lr)
 
 
+# The devices on which each optimiser of torch.optim has a fused kernel (torch 2.4 to 2.13):
+# Adagrad's runs on the CPU only (on CUDA, fused=True is accepted when the optimiser is built
+# and refused at its first step).
+FUSED_DEVICES = {torch.optim.Adagrad: frozenset({"cpu"}),
+                 torch.optim.AdamW: frozenset({"cpu", "cuda", "mps", "xpu"})}
+
+
 def fused_where_offered(kind: type[torch.optim.Optimizer], params, **options
                         ) -> torch.optim.Optimizer:
     """``kind(params, fused=True, **options)``: every parameter stepped by one fused kernel
     (the race model's Adagrad step on one CPU thread: 1.5 ms against 4.7 ms for the per-tensor
     loop, docs/performance.md), or that loop where this torch has no fused ``kind`` for the
-    parameters' device. Both compute the same update up to fp32 rounding."""
+    parameters' device (:data:`FUSED_DEVICES`) or refuses ``fused``. Both compute the same
+    update up to fp32 rounding."""
+    params = list(params)
+    tensors = [p for item in params
+               for p in (item["params"] if isinstance(item, dict) else [item])]
+    devices = {p.device.type for p in tensors}
+    if not devices <= FUSED_DEVICES.get(kind, devices):
+        return kind(params, **options)
     try:
         return kind(params, fused=True, **options)
     except (RuntimeError, TypeError, ValueError):
