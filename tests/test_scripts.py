@@ -100,6 +100,7 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
     "gpu_check.sh": "bash -n",
     "gpu_compile.py": "tests/attention/test_gpu_compile.py",
     "hf_cache_speed.py": "tests/hf/test_hf_cache.py",
+    "learning_check.py": "tests/training/test_learning_check.py",
     "retrofit_experiment.py": "tests/training/test_retrofit.py",
     "make_adaptive_io_fixture.py": (
         lambda tmp: [str(ANCHORS / "adaptive-span"), "--out", str(tmp / "out")],

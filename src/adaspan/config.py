@@ -28,6 +28,7 @@ SPAN_PER = ("head", "layer")
 POSITION_TABLES = ("model", "layer", "rotary")
 OPTIMIZERS = ("adagrad", "adamw")
 CLIP_MODES = ("per-tensor-lr", "global")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 def option(default: Any, help: str, *, choices: Collection[str] | None = None,
@@ -294,6 +295,11 @@ class TrainConfig(Options):
     lr_drop_steps: int = option(0, "final steps run at lr * lr_drop_factor (paper, large "
                                 "models: 20k)")
     lr_drop_factor: float = option(0.1, "learning-rate factor for the final steps (paper: 0.1)")
+    lr_schedule: str = option("constant", "after the warm-up: constant (paper) | cosine | "
+                              "linear, decaying to lr * lr_end_factor at the last step or at "
+                              "the end of time_budget, whichever comes first",
+                              choices=LR_SCHEDULES)
+    lr_end_factor: float = option(0.1, "cosine and linear: the learning-rate factor they end at")
     batch_split: int = option(1, "process the batch in this many slices (same update, less "
                               "memory)")
     seed: int = option(1234, "random seed")
@@ -338,6 +344,8 @@ class TrainConfig(Options):
             self._require(name, lambda v: _is_number(v) and v > 0, "a number > 0")
         for name in ("clip", "weight_decay"):
             self._require(name, lambda v: _is_number(v) and v >= 0, "a number >= 0")
+        self._require("lr_end_factor", lambda v: _is_number(v) and 0 <= v <= 1,
+                      "a number in [0, 1]")
         self._require("data", lambda v: isinstance(v, str) and v, "a corpus name or path")
         self._require("data_dir", lambda v: v is None or isinstance(v, str),
                       "a directory or None")

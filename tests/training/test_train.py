@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from adaspan.training.checkpoint import (
     RunDir,
     load_model,
     load_training_state,
+    read_state,
 )
 from adaspan.training.evaluate import evaluate
 from adaspan.training.optim import (
@@ -101,6 +103,20 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues_exactly(tmp_path, corpus
     assert checkpoint_step(tmp_path) == 3  # the step under way was finished
     run_quietly(tmp_path, tiny_train_config(corpus_file), resume=True)
     assert_same_weights(weights(tmp_path), uninterrupted)
+
+
+def test_an_annealed_run_stopped_by_ctrl_c_resumes_exactly(tmp_path, corpus_file):
+    config = tiny_train_config(corpus_file, lr_schedule="cosine", lr_end_factor=0.0)
+    run_quietly(tmp_path / "whole", config)
+
+    def press_ctrl_c_at_step_4(message: str) -> None:
+        if message.startswith("step 4/"):
+            signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(TRAIN_MODEL, config, tmp_path / "cut", progress=False, log=press_ctrl_c_at_step_4)
+    run_quietly(tmp_path / "cut", config, resume=True)
+    assert_same_weights(weights(tmp_path / "cut"), weights(tmp_path / "whole"))
 
 
 def test_divergence_stops_training_with_a_user_error(tmp_path, corpus_file):
@@ -376,6 +392,38 @@ def test_lr_factor_warms_up_linearly_then_drops():
     assert lr_factor(800, config) == pytest.approx(0.1)
     assert lr_factor(999, config) == pytest.approx(0.1)
     assert lr_factor(0, dataclasses.replace(config, warmup=0)) == 1.0
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_an_annealed_schedule_decays_from_the_warm_up_to_its_end_factor(schedule):
+    """After the warm-up the factor follows end + (1 − end) s(u), u the share of the steps after
+    the warm-up done (1 at the last step): s = (1 + cos πu)/2 or 1 − u, written out here at
+    u = 0, 1/4, 1/2, 1."""
+    config = TrainConfig(steps=501, warmup=100, lr_schedule=schedule, lr_end_factor=0.2)
+    shape = {"cosine": [1.0, (1 + math.sqrt(0.5)) / 2, 0.5, 0.0],
+             "linear": [1.0, 0.75, 0.5, 0.0]}[schedule]
+    assert lr_factor(50, config) == pytest.approx(0.5 * (0.2 + 0.8 * 1.0))  # warming up
+    for step, s in zip([100, 200, 300, 500], shape, strict=True):
+        assert lr_factor(step, config) == pytest.approx(0.2 + 0.8 * s)
+    factors = [lr_factor(step, config) for step in range(100, 501)]  # the steps trained
+    assert all(a >= b for a, b in itertools.pairwise(factors))  # never rises again
+    # a time budget half used while a tenth of the steps are done: the budget sets the pace
+    assert lr_factor(140, config, spent=0.5) == pytest.approx(0.2 + 0.8 * shape[2])
+    assert lr_factor(400, config, spent=0.5) == lr_factor(400, config)
+    assert lr_factor(140, config, spent=3.0) == pytest.approx(0.2)  # past the budget: the end
+    constant = dataclasses.replace(config, lr_schedule="constant")
+    assert lr_factor(400, constant, spent=0.9) == 1.0  # the paper's: the budget changes nothing
+
+
+def test_a_time_budget_anneals_the_run_it_stops(tmp_path, corpus_file):
+    """A cosine schedule over a time budget already spent when the first step ends: the
+    second step's learning rate is the end factor's, although only 1 of 1,000 steps ran."""
+    config = tiny_train_config(corpus_file, steps=1000, warmup=0, lr_schedule="cosine",
+                               lr_end_factor=0.25, time_budget=1e-9)
+    run_quietly(tmp_path, config)
+    state = read_state(tmp_path / STATE_FILE, tensors=False)
+    lrs = [group["lr"] for group in state["optimizer"]["param_groups"]]
+    assert state["step"] == 1 and lrs == pytest.approx([0.25 * config.lr] * len(lrs))
 
 
 def test_scheduler_follows_lr_factor():

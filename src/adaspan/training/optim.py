@@ -1,7 +1,10 @@
 """The paper's optimisation recipe (§3): Adagrad (or AdamW), linear warm-up, a final
-learning-rate drop, and the authors' per-tensor clipping of the step."""
+learning-rate drop, and the authors' per-tensor clipping of the step; beside it, a cosine or
+linear decay to the last step or the end of the time budget."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -11,16 +14,30 @@ from ..model.lm import SpanLM
 STATE_PER_PARAMETER = {"adagrad": 1, "adamw": 2}  # tensors the size of a parameter in its state
 
 
-def lr_factor(step: int, config: TrainConfig) -> float:
+def lr_factor(step: int, config: TrainConfig, spent: float = 0.0) -> float:
     """Multiplier of ``config.lr`` for optimiser step ``step`` (counted from 0).
 
-    Rises linearly from 0 to 1 over ``warmup`` steps (paper §3), then stays at 1, except the
-    last ``lr_drop_steps`` steps, which use ``lr_drop_factor``.
+    Rises linearly from 0 to 1 over ``warmup`` steps (paper §3), then stays at 1
+    (``lr_schedule=constant``) or decays to ``lr_end_factor`` (:func:`decay`) by the progress
+    ``u``: the share of the steps after the warm-up done (1 at the last step, ``steps - 1``),
+    or ``spent``, the share of the time budget used, whichever is larger. The last
+    ``lr_drop_steps`` steps are multiplied by ``lr_drop_factor``.
     """
     factor = min(1.0, step / config.warmup) if config.warmup else 1.0
+    if config.lr_schedule != "constant":
+        done = (step - config.warmup) / max(1, config.steps - 1 - config.warmup)
+        factor *= decay(config.lr_schedule, min(1.0, max(done, spent, 0.0)),
+                        config.lr_end_factor)
     if step >= config.steps - config.lr_drop_steps:
         factor *= config.lr_drop_factor
     return factor
+
+
+def decay(schedule: str, u: float, end: float) -> float:
+    """The factor at progress ``u`` in [0, 1], from 1 to ``end``: ``end + (1 − end) s(u)`` with
+    ``s(u) = (1 + cos πu) / 2`` (cosine) or ``1 − u`` (linear)."""
+    shape = (1 + math.cos(math.pi * u)) / 2 if schedule == "cosine" else 1 - u
+    return end + (1 - end) * shape
 
 
 def build_optimizer(model: SpanLM, config: TrainConfig) -> torch.optim.Optimizer:
@@ -91,3 +108,10 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, config: TrainConfig
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+
+
+def set_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, factor: float) -> None:
+    """Every parameter group's learning rate: its base rate times ``factor`` (a resumed run
+    whose ``steps`` changed, a schedule paced by a time budget)."""
+    for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = base_lr * factor

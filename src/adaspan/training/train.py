@@ -42,7 +42,7 @@ from .disk import DiskFullError, check_disk_space, disk_full_error
 from .distributed import Distributed, resolve_device, use_threads
 from .evaluate import evaluate
 from .memory import MemoryPlan, MemoryWatch, check_training_memory, memory_available
-from .optim import build_optimizer, build_scheduler, lr_factor, step_with_tensor_clip
+from .optim import build_optimizer, build_scheduler, lr_factor, set_lr, step_with_tensor_clip
 from .precision import Precision, choose
 from .recorder import Recorder
 from .tokens import (
@@ -231,8 +231,7 @@ def build_run(
     state = run_dir.restore(model, optimizer, scheduler, device, dist) if resume else None
     resuming = state is not None
     if resuming:
-        for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
-            group["lr"] = base_lr * lr_factor(state.step, config)  # steps may have changed
+        set_lr(scheduler, lr_factor(state.step, config))  # steps may have changed
     else:  # a new run, or one stopped before its first checkpoint
         state = TrainingState(0, 0, _empty_cache(model, config, dist))
     memory = check_training_memory(model, config, dist.share(config.batch_size),
@@ -312,11 +311,14 @@ class _Loop:
         while self.state.step < self.config.steps:
             self._step()
             budget = self.config.time_budget
-            over_budget = budget is not None and time.monotonic() - self.start > budget
+            spent = (time.monotonic() - self.start) / budget if budget is not None else 0.0
             signum = received()
-            over_budget, sigint, sigterm = self.dist.agree(
-                [over_budget, signum == signal.SIGINT, signum == signal.SIGTERM]
-            )  # every rank stops together, agreeing on the host
+            spent, sigint, sigterm = self.dist.largest(
+                [spent, signum == signal.SIGINT, signum == signal.SIGTERM]
+            )  # every rank stops together and follows one schedule, agreeing on the host
+            over_budget = spent > 1
+            if budget is not None and self.config.lr_schedule != "constant":
+                set_lr(self.run.scheduler, lr_factor(self.state.step, self.config, spent))
             self.bar.update(1)
             done = self.state.step >= self.config.steps
             self._record_and_save(done or over_budget, sigint or sigterm)
