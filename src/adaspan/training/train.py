@@ -266,6 +266,13 @@ def _empty_cache(model: SpanLM, config: TrainConfig, dist: Distributed) -> Strea
     return StreamCache(model.empty_cache(dist.share(config.batch_size)))
 
 
+def _pace(run: Run, step: int, spent: float) -> None:
+    """With a time budget, a decaying schedule follows the share of it ``spent`` (as the ranks
+    agreed) when that is ahead of the steps (:func:`~adaspan.training.optim.lr_factor`)."""
+    if run.config.time_budget is not None and run.config.lr_schedule != "constant":
+        set_lr(run.scheduler, lr_factor(step, run.config, spent))
+
+
 class _Loop:
     """The training loop of one :func:`train` call (paper §3): steps, records, checkpoints."""
 
@@ -316,16 +323,14 @@ class _Loop:
             spent, sigint, sigterm = self.dist.largest(
                 [spent, signum == signal.SIGINT, signum == signal.SIGTERM]
             )  # every rank stops together and follows one schedule, agreeing on the host
-            over_budget = spent > 1
-            if budget is not None and self.config.lr_schedule != "constant":
-                set_lr(self.run.scheduler, lr_factor(self.state.step, self.config, spent))
+            _pace(self.run, self.state.step, spent)
             self.bar.update(1)
             done = self.state.step >= self.config.steps
-            self._record_and_save(done or over_budget, sigint or sigterm)
+            self._record_and_save(done or spent > 1, sigint or sigterm)
             if not done and (sigint or sigterm):
                 raise _interrupted(signal.SIGINT if sigint else signal.SIGTERM, self.state.step,
                                    self.run.run_dir)
-            if not done and over_budget:
+            if not done and spent > 1:
                 self.log(f"time budget of {budget:g} s used at step {self.state.step}: "
                          f"{_continue(self.run.run_dir)}")
                 return "time_budget"
