@@ -69,6 +69,14 @@ def profile(out: str, tmp: Path) -> None:
         result["share"] * result["step_ms"] / result["products_ms"])
 
 
+def gradient_errors(out: str, tmp: Path) -> None:
+    """fp32 gradients near float64's, bf16 ones further but still pointing the same way."""
+    result = json_lines(out)[-1]
+    fp32, bf16 = result["float32"]["all"], result["bfloat16"]["all"]
+    assert fp32["relative_error"] < 1e-4 < bf16["relative_error"] < 0.1, result
+    assert bf16["cosine"] > 0.99 and set(result["bfloat16"]) >= {"attention", "spans", "all"}
+
+
 def markdown_table(out: str, tmp: Path) -> None:
     assert out.count("\n|") >= 3 and "|---" in out, out
 
@@ -98,6 +106,11 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
                             has_keys("chars", "runs", "threads")),
     "functional_speed.py": "tests/attention/test_functional.py",
     "gpu_check.sh": "bash -n",
+    "gradient_error.py": (
+        lambda tmp: ["--data", tiny_text(tmp), "--batch", "2", "--block", "16", "--spans",
+                     "8,24", "--model", "n_layers=1", "d_model=32", "n_heads=2", "d_inner=64",
+                     "max_span=64", "ramp=8"],
+        gradient_errors),
     "gpu_compile.py": "tests/attention/test_gpu_compile.py",
     "hf_cache_speed.py": "tests/hf/test_hf_cache.py",
     "learning_check.py": "tests/training/test_learning_check.py",
