@@ -117,8 +117,8 @@ def run_processes(worker, args: tuple, what: str, nprocs: int = 2, seconds: floa
 
 
 def load_script(name: str) -> ModuleType:
-    """The module of ``scripts/<name>.py`` (the scripts are not part of the package)."""
-    path = Path(__file__).parents[1] / "scripts" / f"{name}.py"
+    """The module of ``scripts/<kind>/<name>.py`` (the scripts are not part of the package)."""
+    [path] = (Path(__file__).parents[1] / "scripts").glob(f"*/{name}.py")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

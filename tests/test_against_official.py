@@ -1,4 +1,4 @@
-"""scripts/against_official.py runs the authors' benchmark script with its spans held: its
+"""scripts/bench/against_official.py runs the authors' benchmark script with its spans held: its
 Adagrad's learning rate is pinned (a stand-in script here: tests never run the authors' code)."""
 
 from __future__ import annotations

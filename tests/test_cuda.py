@@ -1,4 +1,5 @@
-"""The CUDA path, run where there is a GPU (skipped elsewhere; ``scripts/gpu_check.sh`` runs it):
+"""The CUDA path, run where there is a GPU (skipped elsewhere; ``scripts/gpu/gpu_check.sh``
+runs it):
 every variant on CUDA equals the CPU in fp32 and stays close in bf16, the band kernel equals
 its naive reference there, steady evaluation blocks make no host-device synchronisation
 (``torch.cuda.set_sync_debug_mode("error")``) and a training step at most one (the spans),

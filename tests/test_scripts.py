@@ -1,9 +1,9 @@
-"""Every script of ``scripts/`` runs at a tiny size, in a subprocess, and prints what its
-docstring says (JSON that parses, with the keys expected). :data:`SCRIPTS` has one entry per
-script; a script without one fails :func:`test_every_script_has_an_entry`, so a new script
-comes with its tiny run. Scripts that need the authors' code read it beside the clone
-(``../shared/anchors``, as in CI), never imported by the tests; shell scripts that need a GPU or
-a browser are checked for syntax (``bash -n``)."""
+"""Every script of ``scripts/`` (one folder per kind) runs at a tiny size, in a subprocess,
+and prints what its docstring says (JSON that parses, with the keys expected). :data:`SCRIPTS`
+has one entry per script; a script without one fails :func:`test_every_script_has_an_entry`,
+so a new script comes with its tiny run. Scripts that need the authors' code read it beside the
+clone (``../shared/anchors``, as in CI), never imported by the tests; shell scripts that need a
+GPU or a browser are checked for syntax (``bash -n``)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
         lambda tmp: ["--official", str(ANCHORS / "bench_official.py"), "--configs", "tiny",
                      "--rounds", "1", "--steps", "1", "--out", str(tmp / "out.json")],
         has_keys("config", "train_ratio", "eval_ratio", "adaspan_train", "authors_train")),
-    "bench_table.py": (lambda tmp: ["--from", str(ROOT / "docs" / "bench.json")],
+    "bench_table.py": (lambda tmp: ["--from", str(ROOT / "docs" / "measurements" /
+                                              "bench.json")],
                        markdown_table),
     "count_launches.py": (
         lambda tmp: ["--kernel", "grouped", "--layers", "1", "--d", "32", "--heads", "2",
@@ -151,16 +152,22 @@ NEEDS_ANCHORS = {"against_official.py", "make_adaptive_io_fixture.py",
                  "make_persistent_fixture.py"}
 
 
+# every script, by name: scripts/ holds one folder per kind (bench, experiments, fixtures,
+# gpu, docs) and no script beside them
+PATHS = {path.name: path for path in (ROOT / "scripts").rglob("*")
+         if path.suffix in (".py", ".sh")}
+
+
 def test_every_script_has_an_entry():
-    scripts = {path.name for path in (ROOT / "scripts").iterdir() if path.suffix in (".py", ".sh")}
-    assert scripts == SCRIPTS.keys(), "give each script of scripts/ its tiny run in SCRIPTS"
+    assert PATHS.keys() == SCRIPTS.keys(), "give each script of scripts/ its tiny run in SCRIPTS"
+    assert all(path.parent.parent == ROOT / "scripts" for path in PATHS.values())
 
 
 @pytest.mark.parametrize("name", sorted(n for n, run in SCRIPTS.items() if isinstance(run, str)))
 def test_a_script_run_elsewhere_is_checked_there(name):
     how = SCRIPTS[name]
     if how == "bash -n":
-        subprocess.run(["bash", "-n", str(ROOT / "scripts" / name)], check=True)
+        subprocess.run(["bash", "-n", str(PATHS[name])], check=True)
     else:
         assert Path(name).stem in (ROOT / how).read_text(), f"{how} does not run {name}"
 
@@ -171,7 +178,7 @@ def test_a_script_runs_at_a_tiny_size(name, tmp_path):
     if name in NEEDS_ANCHORS and not ANCHORS.is_dir():
         pytest.skip(f"the authors' code is not beside the clone ({ANCHORS})")
     arguments, check = SCRIPTS[name]
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *arguments(tmp_path)],
+    done = subprocess.run([sys.executable, str(PATHS[name]), *arguments(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     check(done.stdout, tmp_path)

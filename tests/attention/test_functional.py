@@ -150,8 +150,8 @@ def test_shapes_are_checked(shapes, message):
 
 
 def test_the_speed_script_prints_both_paths():
-    """``scripts/functional_speed.py`` at a tiny size: its JSON line has both paths' times."""
-    script = Path(__file__).parents[2] / "scripts" / "functional_speed.py"
+    """``scripts/bench/functional_speed.py`` at a tiny size: its JSON line has both paths' times."""
+    script = Path(__file__).parents[2] / "scripts" / "bench" / "functional_speed.py"
     done = subprocess.run([sys.executable, str(script), "--tokens", "64", "--max-span", "48",
                            "--spans", "34,40", "--runs", "1", "--d-head", "8"],
                           capture_output=True, text=True, check=True, timeout=300)

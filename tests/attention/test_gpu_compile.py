@@ -1,5 +1,5 @@
 """The fused kernels compiled without a GPU for every NVIDIA architecture they are configured for
-(``scripts/gpu_compile.py``): every specialization the CUDA path can launch fits the
+(``scripts/gpu/gpu_compile.py``): every specialization the CUDA path can launch fits the
 architecture's shared memory and spills no register (ptxas's own report). One test per
 architecture, so that the suite's workers share them; the script keeps its results in a cache
 keyed by the kernels' source (docs/gpu.md), so that a suite run after the first compiles
@@ -20,7 +20,7 @@ import pytest
 
 from adaspan.attention import fused
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_compile.py"
+SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu" / "gpu_compile.py"
 
 
 def _missing() -> str | None:
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 
 def compile_lines(*options: str) -> list[dict]:
-    """The lines of ``scripts/gpu_compile.py`` with ``options``."""
+    """The lines of ``scripts/gpu/gpu_compile.py`` with ``options``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(SCRIPT), *options], capture_output=True,
                          text=True, env=env, timeout=900)

@@ -1,4 +1,4 @@
-"""Kernel launches counted on the CPU by ``scripts/count_launches.py``: on the path CUDA takes
+"""Kernel launches counted on the CPU by ``scripts/bench/count_launches.py``: on the path CUDA takes
 (the fused kernel), a training step and an evaluation block at the paper's small model and at
 a 10-minute run's shape launch no more than recorded (docs/performance.md), and at most as many
 as the authors' code; a generated token, a fixed dozen per layer (14 for the static step that

@@ -96,9 +96,9 @@ def test_windows_are_the_longest_span_of_each_layer():
 
 
 def test_the_speed_script_prints_bytes_and_speeds_of_both_caches():
-    """``scripts/hf_cache_speed.py`` at a tiny size: one JSON line per context, the span cache
+    """``scripts/bench/hf_cache_speed.py`` at a tiny size: one JSON line per context, the span cache
     holding R - 1 = 31 keys per layer (spans below R) while the full cache holds them all."""
-    script = Path(__file__).parents[2] / "scripts" / "hf_cache_speed.py"
+    script = Path(__file__).parents[2] / "scripts" / "bench" / "hf_cache_speed.py"
     done = subprocess.run([sys.executable, str(script), "--contexts", "40,80", "--new", "3",
                            "--runs", "1", "--spans", "8,16", "--layers", "2", "--width", "32",
                            "--heads", "2", "--kv-heads", "1"],

@@ -1,4 +1,4 @@
-"""``scripts/learning_check.py``: its statistics against values computed by hand and by
+"""``scripts/experiments/learning_check.py``: its statistics against values computed by hand and by
 tables, and a tiny check run end to end (the same code twice gives the same scores seed by
 seed; an option set for one side changes only that side; a second call reuses the runs)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-SCRIPT = ROOT / "scripts" / "learning_check.py"
+SCRIPT = ROOT / "scripts" / "experiments" / "learning_check.py"
 spec = importlib.util.spec_from_file_location("learning_check", SCRIPT)
 check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check)

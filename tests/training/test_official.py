@@ -1,6 +1,7 @@
 """convert-official: checkpoints of the authors' code, scored against a naive computation of
 their equations written here from their tensors, or (persistent memory) against the output of
-their code saved by scripts/make_persistent_fixture.py (their model code is never imported)."""
+their code saved by scripts/fixtures/make_persistent_fixture.py (their model code is never
+imported)."""
 
 from __future__ import annotations
 
@@ -328,7 +329,7 @@ PERSISTENT = Path(__file__).parents[1] / "fixtures" / "persistent"
 
 @pytest.fixture(scope="module")
 def persistent_case(tmp_path_factory):
-    """The fixture of scripts/make_persistent_fixture.py (their model code run once): its
+    """The fixture of scripts/fixtures/make_persistent_fixture.py (their model code run once): its
     description, its texts and the data directory written from them."""
     case = json.loads((PERSISTENT / "cases.json").read_text())
     texts = {split: text.encode() for split, text in case["texts"].items()}
@@ -448,7 +449,7 @@ def word_symbols(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def adaptive_io_case(tmp_path_factory):
-    """The fixture of scripts/make_adaptive_io_fixture.py (their model code run once): its
+    """The fixture of scripts/fixtures/make_adaptive_io_fixture.py (their model code run once): its
     description and the word-level data directory written from its texts."""
     case = json.loads((ADAPTIVE_IO / "cases.json").read_text())
     data = tmp_path_factory.mktemp("adaptive_io") / "data"

@@ -243,7 +243,7 @@ def ramp_columns(window: int, z_min: float) -> int:
     return max(0, min(window, math.ceil(window - z_min)))
 
 
-# Queries per chunk by key window (up to the window), measured with scripts/tune_chunks.py on
+# Queries per chunk by key window (up to the window), measured with scripts/bench/tune_chunks.py on
 # the 2-core CPU (one head, batch 8, block 256, d_head 64; best of 32/64/128/256 for training,
 # 2026-11-23): small chunks waste fewer scores (a chunk reads window + c - 1 keys), large ones
 # make larger products. On CUDA (where span attention takes this path only without Triton, or

@@ -17,7 +17,7 @@ the same one.
 
 On a GPU each kernel is launched with the :class:`Config` (tile, warps, pipeline stages) that
 :func:`config` gives for the device's architecture, chosen so that it fits the architecture's
-shared memory (:data:`SHARED_MEMORY`) and spills no register (``scripts/gpu_compile.py``
+shared memory (:data:`SHARED_MEMORY`) and spills no register (``scripts/gpu/gpu_compile.py``
 compiles every specialization for every architecture: docs/gpu.md). fp32 products run in
 fp32 unless the run allows TF32 (``torch.get_float32_matmul_precision()`` other than
 ``"highest"``, as the precision policy sets it). A kernel that the device cannot give its
@@ -153,7 +153,7 @@ def config(kernel: str, arch: int, d_head: int) -> Config:
 def compiled(dtype: torch.dtype, d_head: int, precision: str, backward: bool) -> bool:
     """Whether the kernels run heads of ``dtype`` and ``d_head`` on a GPU, with products in
     ``precision`` (:func:`precision`), forward and ``backward`` too: the specializations
-    that every architecture runs within its resources (``scripts/gpu_compile.py``): bf16 and
+    that every architecture runs within its resources (``scripts/gpu/gpu_compile.py``): bf16 and
     fp16; fp32 up to 64 features (beyond, the products over the features spill registers),
     its backward with fp32 products (TF32 off) up to 32 (at 64 it spills 8 bytes with z and
     dropout on sm_90 and sm_100). On the CPU (Triton's interpreter) any run."""

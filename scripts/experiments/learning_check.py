@@ -4,7 +4,7 @@ run with one evaluator, and print each version's scores, mean and spread, and th
 with its uncertainty (Welch's t; paired by seed as well, since a seed fixes the initial weights
 and the data order in both). One JSON object on stdout; progress on stderr.
 
-    python scripts/learning_check.py --versions 399c9e9 HEAD --data TEXT --steps 2700 \\
+    python scripts/experiments/learning_check.py --versions 399c9e9 HEAD --data TEXT --steps 2700 \\
         --seeds 1234,7,1,2,3 --jobs 2 --work runs/learning-check
 
 A version is a git ref of this repository (exported with ``git archive``) or a directory that
@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import NormalDist, mean, stdev
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The recipe of the regression report: adaspan train on a 10M-character text, bf16 where fast.
 RECIPE = ["n_layers=4", "d_model=256", "n_heads=4", "d_inner=1024", "max_span=1024", "ramp=32",
           "dropout=0", "batch_size=8", "block_size=256", "optimizer=adamw", "lr=1e-3",

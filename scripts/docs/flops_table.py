@@ -5,7 +5,7 @@ each head's attention over the span it uses) on models built with the paper's si
 paper's reported average spans; vocabulary as in the paper (text8: 27 characters and end of
 line). Prints one JSON object, then the Markdown tables of docs/flops.md.
 
-    python scripts/flops_table.py
+    python scripts/docs/flops_table.py
 """
 
 from __future__ import annotations

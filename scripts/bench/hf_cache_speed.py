@@ -3,7 +3,7 @@ in one run: the model with adaptive spans over :class:`adaspan.hf.SpanCache` (``
 against the same weights without spans, sdpa attention over transformers' ``DynamicCache``
 (``full``).
 
-    python scripts/hf_cache_speed.py [--contexts 2048,4096,8192] [--new 64] [--runs 3]
+    python scripts/bench/hf_cache_speed.py [--contexts 2048,4096,8192] [--new 64] [--runs 3]
         [--spans 32,64,128,1024] [--layers 4] [--width 256] [--heads 4] [--kv-heads 4]
         [--threads 1]
 

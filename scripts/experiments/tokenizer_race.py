@@ -2,8 +2,8 @@
 byte-level BPE tokens, each scored in bits per byte on the same validation text.
 
 Usage:
-    python scripts/tokenizer_race.py [--seconds 300] [--out runs/tokenizer-race] [--threads N]
-        [--max-chars N]
+    python scripts/experiments/tokenizer_race.py [--seconds 300] [--out runs/tokenizer-race]
+        [--threads N] [--max-chars N]
 
 Runs ``adaspan train`` three times (one after the other, so they do not share the cores), each
 with ``time_budget`` seconds, then ``adaspan evaluate`` on the whole valid split of each run

@@ -8,7 +8,7 @@
 # presets, then one JSON line with the results. Run from the repository root, in an environment where
 # `pip install -e ".[dev]"` installed adaspan with a CUDA build of torch:
 #
-#     bash scripts/gpu_check.sh [path/to/bench_official.py]
+#     bash scripts/gpu/gpu_check.sh [path/to/bench_official.py]
 #
 # Figures are written to gpu_check/ (tests.txt, against_official.json, generation.json,
 # bench-words-small.json, bench-bpe-small.json).
@@ -20,10 +20,10 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" |
   echo '{"error": "no CUDA device visible to torch"}'; exit 2; }
 python -m pytest tests/test_cuda.py -rs > "$out/tests.txt" 2>&1
 tests_rc=$?
-python scripts/against_official.py --official "$official" --configs race,reference \
+python scripts/bench/against_official.py --official "$official" --configs race,reference \
   --rounds 3 --device cuda --out "$out/against_official.json" > "$out/against_official.txt" 2>&1
 bench_rc=$?
-python scripts/generation_speed.py --device cuda --paths decoder,static --chars 500 --runs 3 \
+python scripts/bench/generation_speed.py --device cuda --paths decoder,static --chars 500 --runs 3 \
   > "$out/generation.json" 2> "$out/generation.txt"
 for preset in words-small bpe-small; do
   adaspan bench --preset "$preset" --device cuda --json > "$out/bench-$preset.json" \

@@ -1,7 +1,7 @@
 """Measure the chunk size of banded attention: time of one head's attention (forward and
 backward for training, forward for evaluation) for each key window and candidate chunk size.
 
-    python scripts/tune_chunks.py [--batch 8] [--block 256] [--repeats 5] [--windows 64,128]
+    python scripts/bench/tune_chunks.py [--batch 8] [--block 256] [--repeats 5] [--windows 64,128]
 
 Prints one JSON line per window and mode (median milliseconds per chunk size, and the best);
 :data:`adaspan.attention.band.CHUNKS` is regenerated from such a run (the best chunk of each

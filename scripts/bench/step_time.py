@@ -5,7 +5,7 @@ step is ``adaspan train``'s (:func:`adaspan.measure.bench.training_step`: forwar
 authors' per-tensor clipping and an Adagrad step) in ``--dtype``'s training precision
 (``auto``: as train chooses). Prints one JSON line.
 
-    python scripts/step_time.py [--spans 93,60,56,38] [--dtype float32] [--repeats 10]
+    python scripts/bench/step_time.py [--spans 93,60,56,38] [--dtype float32] [--repeats 10]
         [--batch 8] [--block 256] [--threads N]
 """
 

@@ -5,7 +5,7 @@ per group of parameters (attention, feed-forward, embeddings, positions, spans) 
 error ``||g − g64|| / ||g64||`` and the cosine. Runs with whatever adaspan is first on the path,
 so that two versions compare on the same weights (``PYTHONPATH=TREE/src``):
 
-    python scripts/gradient_error.py --data TEXT [--weights RUN/model.safetensors] \\
+    python scripts/experiments/gradient_error.py --data TEXT [--weights RUN/model.safetensors] \\
         [--spans 93,60,56,38] [--model KEY=VALUE ...]
 
 Without ``--weights`` the model is freshly initialised (``--seed``); with them, trained

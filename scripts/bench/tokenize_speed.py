@@ -2,7 +2,7 @@
 cache; prints one JSON line.
 
 Usage:
-    python scripts/tokenize_speed.py [--data ../shared/corpora/gcide.txt.gz] [--cache DIR]
+    python scripts/bench/tokenize_speed.py [--data ../shared/corpora/gcide.txt.gz] [--cache DIR]
         [--sizes words=32768,bpe=8192]
 """
 

@@ -20,7 +20,7 @@ on the race configuration (4 layers, d 256, 4 heads, FF 1024, S 1024, spans 93/6
   ``share_ceiling``: the share the step would have if everything else took no time (model
   FLOPs over ``products_ms``, over the bf16 matmul rate).
 
-    python scripts/profile_step.py [--steps 5] [--top 15] [--dtype auto] [--compile]
+    python scripts/bench/profile_step.py [--steps 5] [--top 15] [--dtype auto] [--compile]
         [--batch 8] [--block 256] [--repeats 5] [--threads N]
         [--model KEY=VALUE ...] [--spans 93,60,56,38]
 

@@ -1,15 +1,16 @@
 """Regenerates the table "What the adaptive span saves" of docs/performance.md (and
-docs/bench.json): `adaspan bench` of adaptive spans against fixed spans, one configuration per
-process, in one run.
+docs/measurements/bench.json): `adaspan bench` of adaptive spans against fixed spans, one
+configuration per process, in one run.
 
-Usage: python scripts/bench_table.py [--steps 5] [--rounds 3] [--out docs/bench.json]
-       python scripts/bench_table.py --from docs/bench.json   # reprint the tables only
+Usage: python scripts/bench/bench_table.py [--steps 5] [--rounds 3]
+           [--out docs/measurements/bench.json]
+       python scripts/bench/bench_table.py --from docs/measurements/bench.json  # the tables only
 
 Each configuration runs in its own `adaspan bench` process (so peak RSS is per configuration),
 one after the other; the whole list is run ``--rounds`` times, alternating, and each figure is
 the median of the rounds. Model: 4 layers, d 256, 4 heads, FF 1024, block 256, batch 8,
 ramp 32, vocab 256, no dropout. adaspan against the authors' code is measured side by side by
-scripts/against_official.py, not here.
+scripts/bench/against_official.py, not here.
 """
 
 from __future__ import annotations

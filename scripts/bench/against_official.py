@@ -1,7 +1,7 @@
 """adaspan against the authors' code, side by side: alternating rounds in one run, one machine.
 
 Usage:
-    python scripts/against_official.py --official ../shared/anchors/bench_official.py \
+    python scripts/bench/against_official.py --official ../shared/anchors/bench_official.py \
         [--configs reference,fixed-1024,...] [--rounds 3] [--steps 8] [--out results.json] \
         [--as-provided] [--device cuda] [--dtype float32] [--baseline OLD/src]
 

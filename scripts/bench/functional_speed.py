@@ -2,7 +2,7 @@
 side in one run, forward and backward (a prefill: M = T, no cache), and one decoding query
 (M = 1 over a cache of T keys).
 
-    python scripts/functional_speed.py [--tokens 2048] [--heads 8] [--kv-heads 2]
+    python scripts/bench/functional_speed.py [--tokens 2048] [--heads 8] [--kv-heads 2]
         [--d-head 64] [--max-span 1024] [--spans 40,80,150,300] [--runs 5]
 
 The dense path is what a model without truncation computes: the key/value heads repeated for

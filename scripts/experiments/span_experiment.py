@@ -2,9 +2,9 @@
 corpus and print, per run, the spans its heads learned (and when), its bpc by the distance back
 to the character a target repeats, and its FLOPs per character, as one JSON document.
 
-    python scripts/span_experiment.py --grid copy --out runs/spans-copy
-    python scripts/span_experiment.py --grid words --out runs/spans-words
-    python scripts/span_experiment.py --grid copy --runs fixed-32 --steps 2 \
+    python scripts/experiments/span_experiment.py --grid copy --out runs/spans-copy
+    python scripts/experiments/span_experiment.py --grid words --out runs/spans-words
+    python scripts/experiments/span_experiment.py --grid copy --runs fixed-32 --steps 2 \
         --data "synthetic:copy?length=20000" --out /tmp/x          # a tiny run: does it run
 
 Finished runs in ``--out`` are reused. ``--figure FILE.png`` draws each run's spans against

@@ -2,7 +2,7 @@
 # Render an `adaspan report` page (or any HTML file) headless to a PNG, to look at it as a
 # reader would. Needs chromium (Debian: apt-get install -y chromium); not used by the tests.
 #
-#   scripts/screenshot_report.sh RUN_DIR/report/report.html [OUT.png] [WIDTH] [HEIGHT]
+#   scripts/docs/screenshot_report.sh RUN_DIR/report/report.html [OUT.png] [WIDTH] [HEIGHT]
 #
 # The page is rendered at WIDTH x HEIGHT pixels (default 1280 x 4000; the screenshot is cut
 # at HEIGHT, so raise it for long pages). With a run directory instead of a page, the report

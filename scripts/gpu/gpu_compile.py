@@ -8,8 +8,8 @@ kernel.arg_names,)``), ``num_warps``, ``num_stages``, ``shared`` (bytes, Triton'
 thread, bytes of spill stores), ``fits`` (within the shared memory and no spill), ``seconds``
 (this compile, 0 where cached) and ``cached``.
 
-    python scripts/gpu_compile.py                         # every specialization, every arch
-    python scripts/gpu_compile.py --archs 80 --d-heads 64 --kernels band_forward
+    python scripts/gpu/gpu_compile.py                         # every specialization, every arch
+    python scripts/gpu/gpu_compile.py --archs 80 --d-heads 64 --kernels band_forward
 
 Every specialization: forward and backward; fp32 (fp32 products, and TF32 where the run allows
 it), bf16 and fp16; with and without z; with and without dropout; d_head 32, 64 and 128; but

@@ -3,7 +3,7 @@ the model's forward over a KeyValueCache (``forward``), :class:`adaspan.model.de
 (``decoder``, the CPU's step) and :class:`adaspan.model.decode.StaticDecoder` (``static``: on CUDA
 replayed from a CUDA graph, as ``adaspan generate`` runs there).
 
-    python scripts/generation_speed.py [--chars 2000] [--runs 5] [--prompt 256]
+    python scripts/bench/generation_speed.py [--chars 2000] [--runs 5] [--prompt 256]
         [--paths forward,decoder,static] [--device cpu]
 
 The race model: d 256, 4 heads, 4 layers, d_inner 1024, S 1024, R 32, adaptive spans

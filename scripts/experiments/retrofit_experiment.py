@@ -3,7 +3,7 @@ learned spans cost and save (``adaspan retrofit``'s report: held-out bits per by
 cache bytes and decode tokens/s, each with full attention and with the spans, side by side),
 as one JSON document.
 
-    python scripts/retrofit_experiment.py /work/evidence/llama \
+    python scripts/experiments/retrofit_experiment.py /work/evidence/llama \
         --data /work/shared/corpora/gcide.txt.gz --out /work/evidence/retrofit \
         --span-losses 1e-3,3e-3 --steps 200 --lock /tmp/adaspan-bench.lock
 

@@ -6,7 +6,7 @@ Adagrad) and ``measured_gb``, the growth of the process's peak resident set size
 training steps (cache carried), plus the weights, which were resident before. Prints one JSON
 object per configuration.
 
-    python scripts/memory_estimate.py
+    python scripts/bench/memory_estimate.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 full attention) on a text corpus with byte tokens, and save it with its tokenizer, ready for
 ``adaspan retrofit``.
 
-    OMP_NUM_THREADS=1 nice -n 19 python scripts/train_hf_model.py \
+    OMP_NUM_THREADS=1 nice -n 19 python scripts/experiments/train_hf_model.py \
         --data /work/shared/corpora/gcide.txt.gz --out /work/evidence/llama --minutes 35
 
 The corpus is read and split by adaspan (``load_corpus``: 90/5/5, contiguous); training reads

@@ -1,7 +1,7 @@
 """Kernel launches of one training step, one evaluation block and one generated token, counted
 on the CPU.
 
-    python scripts/count_launches.py [--kernel fused|grouped] [--layers 12 --d 512 --heads 8
+    python scripts/bench/count_launches.py [--kernel fused|grouped] [--layers 12 --d 512 --heads 8
         --span 8192 --block 512 --spans 32,32,48,...] [--run]
 
 On a GPU nearly every ATen operator is one kernel launch, views excepted (they launch nothing),
