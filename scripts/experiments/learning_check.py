@@ -24,9 +24,11 @@ import os
 import subprocess
 import sys
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from statistics import NormalDist, mean, stdev
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 # The recipe of the regression report: adaspan train on a 10M-character text, bf16 where fast.
@@ -179,39 +181,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    work = Path(args.work).resolve()
-    trees = [source_tree(v, work) for v in args.versions]
-    scorer = ROOT / "src"
+class Task(NamedTuple):
+    label: str  # "A" or "B"
+    seed: int
+    tree: Path  # the version's code
+    run: Path  # its run directory
+    options: list[str]  # adaspan train's KEY=VALUE
+
+
+def plan(args: argparse.Namespace, work: Path) -> list[Task]:
+    """One run per version and seed, each in ``work/LABEL-VERSION/seed-N``."""
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     interval = args.eval_interval or args.steps
     tasks = []
-    for label, version, tree in zip("AB", args.versions, trees, strict=True):
+    for label, version in zip("AB", args.versions, strict=True):
+        tree = source_tree(version, work)
         extra = [kv for which, kv in args.set if which == label]
         name = f"{label}-{Path(version).name or version}".replace("/", "_")
         for seed in args.seeds:
             options = [f"data={Path(args.data).resolve()}", *args.recipe, *QUIET, *extra,
                        f"steps={args.steps}", f"seed={seed}", f"threads={threads}",
                        f"eval_interval={interval}", f"checkpoint_interval={args.steps}"]
-            tasks.append((label, seed, tree, work / name / f"seed-{seed}", options))
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {(label, seed): pool.submit(one_run, tree, scorer, run, options,
-                                              args.max_chars)
-                   for label, seed, tree, run, options in tasks}
-        scores = {"A": {}, "B": {}}
-        for (label, seed), future in futures.items():
-            scores[label][seed] = future.result()
-            print(f"{label} seed {seed}: {scores[label][seed]:.4f} bpc", file=sys.stderr)
-    curves = {label: {seed: valid_curve(run) for lab, seed, _, run, _ in tasks if lab == label}
-              for label in "AB"}
-    by_step = {}
-    for step in sorted({s for c in curves["A"].values() for s in c}):
-        a = [c[step] for c in curves["A"].values() if step in c]
-        b = [c[step] for c in curves["B"].values() if step in c]
+            tasks.append(Task(label, seed, tree, work / name / f"seed-{seed}", options))
+    return tasks
+
+
+def run_all(tasks: list[Task], jobs: int, max_chars: int) -> dict[str, dict[int, float]]:
+    """Every task's score, ``jobs`` at a time; a line on stderr as each one ends."""
+    scorer, scores, start = ROOT / "src", {"A": {}, "B": {}}, time.monotonic()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(one_run, t.tree, scorer, t.run, t.options, max_chars): t
+                   for t in tasks}
+        for done, future in enumerate(as_completed(futures), 1):
+            task = futures[future]
+            scores[task.label][task.seed] = future.result()
+            print(f"[{done}/{len(tasks)}, {(time.monotonic() - start) / 60:.1f} min] "
+                  f"{task.label} seed {task.seed}: {scores[task.label][task.seed]:.4f} bpc",
+                  file=sys.stderr)
+    return {label: dict(sorted(by_seed.items())) for label, by_seed in scores.items()}
+
+
+def by_step(tasks: list[Task]) -> dict[int, dict]:
+    """The runs' own validations at each step: each version's spread, the pooled spread, and
+    the seeds per version that a difference of 0.02 bpc needs there."""
+    curves = {label: [valid_curve(t.run) for t in tasks if t.label == label] for label in "AB"}
+    out = {}
+    for step in sorted({s for c in curves["A"] for s in c}):
+        a, b = ([c[step] for c in curves[label] if step in c] for label in "AB")
         pooled = math.sqrt((summary(a)["sd"] ** 2 + summary(b)["sd"] ** 2) / 2)
-        by_step[step] = {"A": summary(a), "B": summary(b), "pooled_sd": pooled,
-                         "seeds_for_0.02": seeds_needed(pooled)}
+        out[step] = {"A": summary(a), "B": summary(b), "pooled_sd": pooled,
+                     "seeds_for_0.02": seeds_needed(pooled)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    tasks = plan(args, Path(args.work).resolve())
+    try:
+        scores = run_all(tasks, args.jobs, args.max_chars)
+    except RuntimeError as exc:  # a run that failed: its command and the end of its stderr
+        sys.exit(f"learning_check: error: {exc}")
     a, b = list(scores["A"].values()), list(scores["B"].values())
     print(json.dumps({
         "versions": dict(zip("AB", args.versions, strict=True)), "steps": args.steps,
@@ -219,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         "recipe": args.recipe, "set": args.set,
         "scores": {label: {str(s): v for s, v in scores[label].items()} for label in "AB"},
         "A": summary(a), "B": summary(b), "welch": difference(a, b),
-        "paired": paired(scores["A"], scores["B"]), "valid_by_step": by_step}))
+        "paired": paired(scores["A"], scores["B"]), "valid_by_step": by_step(tasks)}))
 
 
 if __name__ == "__main__":

@@ -87,3 +87,15 @@ def test_the_same_code_scores_the_same_and_a_setting_changes_one_side(tmp_path):
     stamps = [(run / "learning_check.json").stat().st_mtime_ns for run in runs]
     assert run_check(tmp_path / "set", "--set", "B", "lr_schedule=linear") == annealed
     assert [(run / "learning_check.json").stat().st_mtime_ns for run in runs] == stamps
+
+
+def test_a_run_that_fails_ends_the_check_with_its_error(tmp_path):
+    data = tmp_path / "text.txt"
+    data.write_text("Behold, a sower went forth to sow.\n" * 20)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--versions", str(ROOT), str(ROOT), "--data", str(data),
+         "--steps", "2", "--seeds", "1", "--work", str(tmp_path / "work"),
+         "--recipe", *TINY, "n_heads=3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and not done.stdout
+    assert done.stderr.startswith("learning_check: error: adaspan train --run-dir")
+    assert "n_heads" in done.stderr and "Traceback" not in done.stderr
