@@ -16,6 +16,7 @@ import torch.multiprocessing
 from helpers import TRAIN_MODEL, run_processes, run_quietly, tiny_train_config
 from safetensors.torch import load_file
 
+import adaspan.training.train as train_module
 from adaspan import SpanLM
 from adaspan.attention.cache import StreamCache
 from adaspan.data.corpora import load_corpus
@@ -248,3 +249,34 @@ def test_the_process_group_is_bound_to_the_gpu_where_torch_can(monkeypatch, has_
     assert not Distributed().start(torch.device("cpu"))  # one process: no group
     assert calls == [gpu, ("nccl", gpu if has_device_id else None), ("new", "gloo"),
                      ("gloo", None)]
+
+
+def _fast_clock_worker(rank: int, store: Path, data: str, run: Path) -> None:
+    """One of 2 processes training with a time budget; rank 1's clock runs 10,000 times fast,
+    so that it alone finds the budget spent after the first step."""
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    if rank == 1:
+        real = train_module.time.monotonic
+        train_module.time = type("Clock", (), {"monotonic": staticmethod(
+            lambda: 10_000 * real())})
+    torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                  world_size=2)
+    try:
+        run_quietly(run, _config(data, steps=50, lr_schedule="linear", lr_end_factor=0.5,
+                                 warmup=0, time_budget=60.0), MODEL)
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_the_ranks_agree_on_the_time_budget_and_the_rate_it_sets(tmp_path, corpus_file):
+    """Rank 1 alone sees its budget spent: both ranks stop after step 1 (else rank 0 would
+    wait for rank 1 at step 2), and rank 0's optimiser ends at the schedule's end, paced by
+    rank 1's share of the budget."""
+    run = tmp_path / "run"
+    run_processes(_fast_clock_worker, (tmp_path / "store", corpus_file, run),
+                  "the 2 processes with a time budget")
+    state = read_state(run / STATE_FILE, tensors=False)
+    lrs = [group["lr"] for group in state["optimizer"]["param_groups"]]
+    assert state["step"] == 1
+    assert lrs == pytest.approx([0.5 * _config(corpus_file).lr] * len(lrs))
