@@ -5,7 +5,7 @@ with its uncertainty (Welch's t; paired by seed as well, since a seed fixes the 
 and the data order in both). One JSON object on stdout; progress on stderr.
 
     python scripts/experiments/learning_check.py --versions 399c9e9 HEAD --data TEXT --steps 2700 \\
-        --seeds 1234,7,1,2,3 --jobs 2 --work runs/learning-check
+        --seeds 1234,7,1,2,3 --jobs 2 --work runs/learning-check [--plot check.png]
 
 A version is a git ref of this repository (exported with ``git archive``) or a directory that
 holds ``src/adaspan`` or ``adaspan``; each trains with its own code. Every run is scored by
@@ -174,6 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=200_000, help="validation characters scored")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (threads: cores / jobs)")
     p.add_argument("--work", default="runs/learning-check", help="run directories and trees")
+    p.add_argument("--plot", help="also draw the runs' curves and the seeds needed (a PNG)")
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",")]
     if any(which not in ("A", "B") for which, _ in args.set):
@@ -234,6 +235,30 @@ def by_step(tasks: list[Task]) -> dict[int, dict]:
     return out
 
 
+def plot(tasks: list[Task], steps: dict[int, dict], versions: list[str], path: Path) -> None:
+    """The runs' validation curves, one line per seed, A and B in two colours (left), and the
+    seeds per version that a difference of 0.02 bpc needs at each step (right), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (curves, seeds) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, version, colour in zip("AB", versions, ("tab:blue", "tab:orange"), strict=True):
+        for i, task in enumerate(t for t in tasks if t.label == label):
+            curve = valid_curve(task.run)
+            curves.plot(list(curve), list(curve.values()), color=colour, alpha=0.7,
+                        marker="o", label=f"{label}: {version}" if i == 0 else None)
+    curves.set(xlabel="step", ylabel="valid bits per byte", title="each seed's run")
+    curves.legend()
+    seeds.plot(list(steps), [s["seeds_for_0.02"] for s in steps.values()], marker="o")
+    seeds.set(xlabel="step", ylabel="seeds per version", yscale="log",
+              title="to see 0.02 bpc (5% test, power 0.8)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     tasks = plan(args, Path(args.work).resolve())
@@ -242,13 +267,16 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as exc:  # a run that failed: its command and the end of its stderr
         sys.exit(f"learning_check: error: {exc}")
     a, b = list(scores["A"].values()), list(scores["B"].values())
+    steps = by_step(tasks)
+    if args.plot:
+        plot(tasks, steps, args.versions, Path(args.plot))
     print(json.dumps({
         "versions": dict(zip("AB", args.versions, strict=True)), "steps": args.steps,
         "data": str(Path(args.data).resolve()), "max_chars": args.max_chars,
         "recipe": args.recipe, "set": args.set,
         "scores": {label: {str(s): v for s, v in scores[label].items()} for label in "AB"},
         "A": summary(a), "B": summary(b), "welch": difference(a, b),
-        "paired": paired(scores["A"], scores["B"]), "valid_by_step": by_step(tasks)}))
+        "paired": paired(scores["A"], scores["B"]), "valid_by_step": steps}))
 
 
 if __name__ == "__main__":

@@ -80,12 +80,15 @@ def test_the_same_code_scores_the_same_and_a_setting_changes_one_side(tmp_path):
     assert sorted(same["valid_by_step"]) == ["2", "4"]
     assert same["A"]["n"] == 2 and same["A"]["sd"] > 0
 
-    annealed = run_check(tmp_path / "set", "--set", "B", "lr_schedule=linear")
+    annealed = run_check(tmp_path / "set", "--set", "B", "lr_schedule=linear", "--plot",
+                         str(tmp_path / "check.png"))
+    assert (tmp_path / "check.png").read_bytes().startswith(b"\x89PNG")
     assert annealed["scores"]["A"] == same["scores"]["A"]
     assert annealed["scores"]["B"] != same["scores"]["B"]
     runs = sorted((tmp_path / "set" / "work").glob("*/seed-1"))
     stamps = [(run / "learning_check.json").stat().st_mtime_ns for run in runs]
-    assert run_check(tmp_path / "set", "--set", "B", "lr_schedule=linear") == annealed
+    assert run_check(tmp_path / "set", "--set", "B", "lr_schedule=linear", "--plot",
+                     str(tmp_path / "check.png")) == annealed
     assert [(run / "learning_check.json").stat().st_mtime_ns for run in runs] == stamps
 
 
