@@ -92,11 +92,13 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
             "ci95": [s["mean"] - half, s["mean"] + half], "t": t_value(s["mean"], s["se"])}
 
 
-def seeds_needed(sd: float, delta: float = 0.02, power: float = 0.8) -> int:
+def seeds_needed(sd: float, delta: float = 0.02, power: float = 0.8,
+                 paired: bool = False) -> int:
     """Seeds per version for a two-sided 5% test to see a difference ``delta`` with the given
-    power, when one run's score spreads by ``sd``: 2 (z_0.975 + z_power)² sd² / delta²."""
+    power: 2 (z_0.975 + z_power)² sd² / delta² when one run's score spreads by ``sd``, or
+    (z_0.975 + z_power)² sd² / delta² when ``sd`` is that of the differences seed by seed."""
     z = NormalDist().inv_cdf(0.975) + NormalDist().inv_cdf(power)
-    return max(2, math.ceil(2 * (z * sd / delta) ** 2))
+    return max(2, math.ceil((1 if paired else 2) * (z * sd / delta) ** 2))
 
 
 def source_tree(version: str, work: Path) -> Path:
@@ -223,15 +225,22 @@ def run_all(tasks: list[Task], jobs: int, max_chars: int) -> dict[str, dict[int,
 
 
 def by_step(tasks: list[Task]) -> dict[int, dict]:
-    """The runs' own validations at each step: each version's spread, the pooled spread, and
-    the seeds per version that a difference of 0.02 bpc needs there."""
-    curves = {label: [valid_curve(t.run) for t in tasks if t.label == label] for label in "AB"}
+    """The runs' own validations at each step: each version's spread, the pooled spread and
+    the spread of the differences seed by seed, and the seeds per version that a difference
+    of 0.02 bpc needs there, unpaired and paired."""
+    curves = {label: {t.seed: valid_curve(t.run) for t in tasks if t.label == label}
+              for label in "AB"}
     out = {}
-    for step in sorted({s for c in curves["A"] for s in c}):
-        a, b = ([c[step] for c in curves[label] if step in c] for label in "AB")
-        pooled = math.sqrt((summary(a)["sd"] ** 2 + summary(b)["sd"] ** 2) / 2)
-        out[step] = {"A": summary(a), "B": summary(b), "pooled_sd": pooled,
-                     "seeds_for_0.02": seeds_needed(pooled)}
+    for step in sorted({s for c in curves["A"].values() for s in c}):
+        a, b = ({seed: c[step] for seed, c in curves[label].items() if step in c}
+                for label in "AB")
+        pooled = math.sqrt((summary(list(a.values()))["sd"] ** 2
+                            + summary(list(b.values()))["sd"] ** 2) / 2)
+        pairs = paired(a, b)
+        out[step] = {"A": summary(list(a.values())), "B": summary(list(b.values())),
+                     "pooled_sd": pooled, "seeds_for_0.02": seeds_needed(pooled),
+                     "paired_sd": pairs and pairs["sd"],
+                     "paired_seeds_for_0.02": pairs and seeds_needed(pairs["sd"], paired=True)}
     return out
 
 
@@ -251,7 +260,12 @@ def plot(tasks: list[Task], steps: dict[int, dict], versions: list[str], path: P
                         marker="o", label=f"{label}: {version}" if i == 0 else None)
     curves.set(xlabel="step", ylabel="valid bits per byte", title="each seed's run")
     curves.legend()
-    seeds.plot(list(steps), [s["seeds_for_0.02"] for s in steps.values()], marker="o")
+    seeds.plot(list(steps), [s["seeds_for_0.02"] for s in steps.values()], marker="o",
+               label="unpaired")
+    if all(s["paired_seeds_for_0.02"] for s in steps.values()):
+        seeds.plot(list(steps), [s["paired_seeds_for_0.02"] for s in steps.values()],
+                   marker="o", label="paired by seed")
+    seeds.legend()
     seeds.set(xlabel="step", ylabel="seeds per version", yscale="log",
               title="to see 0.02 bpc (5% test, power 0.8)")
     fig.tight_layout()

@@ -50,6 +50,7 @@ def test_seeds_needed_follows_the_normal_approximation():
     assert check.seeds_needed(0.02, delta=0.02) == 16
     assert check.seeds_needed(0.01, delta=0.02) == 4
     assert check.seeds_needed(0.0001, delta=0.02) == 2
+    assert check.seeds_needed(0.02, delta=0.02, paired=True) == 8  # 7.85: half as many
 
 
 def test_a_git_ref_is_exported_once(tmp_path):
@@ -78,6 +79,7 @@ def test_the_same_code_scores_the_same_and_a_setting_changes_one_side(tmp_path):
     assert same["paired"]["diff"] == 0 and same["welch"]["diff"] == 0
     assert same["scores"]["A"]["1"] != same["scores"]["A"]["2"]
     assert sorted(same["valid_by_step"]) == ["2", "4"]
+    assert same["valid_by_step"]["4"]["paired_sd"] == 0  # the same runs, seed by seed
     assert same["A"]["n"] == 2 and same["A"]["sd"] > 0
 
     annealed = run_check(tmp_path / "set", "--set", "B", "lr_schedule=linear", "--plot",
