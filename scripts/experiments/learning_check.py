@@ -244,7 +244,7 @@ def by_step(tasks: list[Task]) -> dict[int, dict]:
     return out
 
 
-def plot(tasks: list[Task], steps: dict[int, dict], versions: list[str], path: Path) -> None:
+def plot(tasks: list[Task], steps: dict[int, dict], names: list[str], path: Path) -> None:
     """The runs' validation curves, one line per seed, A and B in two colours (left), and the
     seeds per version that a difference of 0.02 bpc needs at each step (right), as a PNG."""
     import matplotlib
@@ -253,11 +253,11 @@ def plot(tasks: list[Task], steps: dict[int, dict], versions: list[str], path: P
     import matplotlib.pyplot as plt
 
     fig, (curves, seeds) = plt.subplots(1, 2, figsize=(10, 4))
-    for label, version, colour in zip("AB", versions, ("tab:blue", "tab:orange"), strict=True):
+    for label, name, colour in zip("AB", names, ("tab:blue", "tab:orange"), strict=True):
         for i, task in enumerate(t for t in tasks if t.label == label):
             curve = valid_curve(task.run)
             curves.plot(list(curve), list(curve.values()), color=colour, alpha=0.7,
-                        marker="o", label=f"{label}: {version}" if i == 0 else None)
+                        marker="o", label=f"{label}: {name}" if i == 0 else None)
     curves.set(xlabel="step", ylabel="valid bits per byte", title="each seed's run")
     curves.legend()
     seeds.plot(list(steps), [s["seeds_for_0.02"] for s in steps.values()], marker="o",
@@ -283,7 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     a, b = list(scores["A"].values()), list(scores["B"].values())
     steps = by_step(tasks)
     if args.plot:
-        plot(tasks, steps, args.versions, Path(args.plot))
+        names = [" ".join([version, *(kv for which, kv in args.set if which == label)])
+                 for label, version in zip("AB", args.versions, strict=True)]
+        plot(tasks, steps, names, Path(args.plot))
     print(json.dumps({
         "versions": dict(zip("AB", args.versions, strict=True)), "steps": args.steps,
         "data": str(Path(args.data).resolve()), "max_chars": args.max_chars,
