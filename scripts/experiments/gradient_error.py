@@ -76,7 +76,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    options = dict(MODEL)
+    options = dict(MODEL)  # parsed here, not by adaspan's resolve: older trees run this too
     for item in args.model:
         key, value = item.split("=", 1)
         options[key] = type(options[key])(value) if key in options else int(value)

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -142,7 +143,7 @@ def one_run(tree: Path, scorer: Path, run: Path, options: list[str], max_chars: 
     if score_file.exists():
         return json.loads(score_file.read_text())["bpc"]
     if run.exists():  # an interrupted run: start it again
-        subprocess.run(["rm", "-rf", str(run)], check=True)
+        shutil.rmtree(run)
     adaspan(tree, "train", "--run-dir", str(run), *options)
     result = last_json(adaspan(scorer, "evaluate", str(run), "--split", "valid", "--max-chars",
                                str(max_chars), "--json"))

@@ -54,8 +54,8 @@ class Distributed:
         """Each flag, true if it is true on any rank."""
         return [any(votes) for votes in zip(*self._gather(flags), strict=True)]
 
-    def largest(self, values: list[int]) -> list[int]:
-        """Each value's maximum over the ranks."""
+    def largest(self, values: list[float]) -> list[float]:
+        """Each value's maximum over the ranks (numbers or flags: a flag is true on any)."""
         return [max(votes) for votes in zip(*self._gather(values), strict=True)]
 
     def sum(self, values: list[float]) -> list[float]:
