@@ -130,22 +130,30 @@ def reference_hf_logits(model, ids: Tensor) -> Tensor:
 
 def reference_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, max_span: int,
                              ramp: float, pos: Tensor | None = None,
-                             scale: float | None = None) -> Tensor:
+                             scale: float | None = None, origin: int = 0,
+                             memory: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``span_attention`` over every key at once, in float64: the key heads repeated for the
-    query heads (``repeat_kv``), scores of all M x T pairs, s = scale q . (k_j + p_x) at distance
-    x = T - M + i - j, weights m_z(x) exp(s) / sum m_z exp(s) over 0 <= x < S (eq. 2)."""
+    query heads (``repeat_kv``), scores of all M x T pairs, s = scale q . (k_j + p_{x - origin})
+    at offset x = T - M + i - j, weights m_z(x) exp(s) / sum m_z exp(s) over
+    origin <= x < origin + S (eq. 2); ``memory`` keys (Hq, d, N) and values (Hq, N, d) join
+    the sum with weights exp(q . key)."""
     B, Hq, M, d = q.shape
     T, G = k.shape[2], Hq // k.shape[1]
     k, v = (t.repeat_interleave(G, dim=1).double() for t in (k, v))
     q = q.double()
     scale = d**-0.5 if scale is None else scale
-    x = (T - M + torch.arange(M))[:, None] - torch.arange(T)[None, :]  # (M, T) distances
-    visible = (x >= 0) & (x < max_span)
+    x = (T - M + torch.arange(M))[:, None] - torch.arange(T)[None, :]  # (M, T) offsets
+    visible = (x >= origin) & (x < origin + max_span)
     scores = scale * q @ k.transpose(-1, -2)
     if pos is not None:
-        p = pos.double()[x.clamp(0, max_span - 1)]  # (M, T, d): p_x of every pair
+        p = pos.double()[(x - origin).clamp(0, max_span - 1)]  # (M, T, d): each pair's row
         scores = scores + scale * torch.einsum("bhmd,mtd->bhmt", q, p)
     zz = torch.full((B, Hq, M), math.inf) if z is None else z.double().expand(B, Hq, M)
     mask = ((ramp + zz[..., None] - x) / ramp).clamp(0, 1) * visible  # m_z(x), 0 if hidden
+    if memory is not None:
+        keys, values = (m.double() for m in memory)
+        scores = torch.cat([scores, q @ keys], dim=-1)
+        mask = torch.cat([mask, torch.ones(*mask.shape[:-1], keys.shape[-1])], dim=-1)
+        v = torch.cat([v.expand(B, Hq, T, d), values.expand(B, Hq, -1, d)], dim=2)
     weights = mask * torch.exp(scores - scores.amax(-1, keepdim=True))
     return weights / weights.sum(-1, keepdim=True) @ v

@@ -20,8 +20,9 @@ PARTS = ["_version", "errors", "attention", "model", "hf", "data", "presets", "c
 LAYERS = {
     "_version": 0, "errors": 0,
     "attention/_fused_kernels": 1, "attention/span": 1, "attention/cache": 1,
+    "attention/rotary": 1,
     "attention/fused": 2, "attention/registry": 2, "attention/band": 2,
-    "attention/functional": 2.5,
+    "attention/core": 2.5, "attention/functional": 2.75,
     "attention/span_attention": 3,
     "attention/baselines": 4, "attention/expire": 4, "attention/persistent": 4,
     "attention/__init__": 4,

@@ -105,7 +105,7 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
     "generation_speed.py": (lambda tmp: ["--chars", "4", "--runs", "1", "--prompt", "8",
                                          "--paths", "forward,decoder"],
                             has_keys("chars", "runs", "threads")),
-    "functional_speed.py": "tests/attention/test_functional.py",
+    "functional_speed.py": "tests/attention/test_core.py",
     "gpu_check.sh": "bash -n",
     "gradient_error.py": (
         lambda tmp: ["--data", tiny_text(tmp), "--batch", "2", "--block", "16", "--spans",
@@ -129,6 +129,7 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
                                      "n_heads=2", "d_inner=128", "max_span=128", "--spans",
                                      "40,48"],
                         profile),
+    "same_outputs.py": "tests/test_same_outputs.py",
     "screenshot_report.sh": "bash -n",
     "span_experiment.py": (
         lambda tmp: ["--grid", "copy", "--runs", "fixed-32", "--steps", "2", "--data",

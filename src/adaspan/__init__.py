@@ -16,7 +16,7 @@ from ._version import __version__
 from .attention import registry
 from .attention.band import banded_attention
 from .attention.baselines import FactorizedAttention, VanillaAttention, XLAttention
-from .attention.functional import key_window, span_attention
+from .attention.core import span_attention
 from .attention.registry import ATTENTIONS, register_attention
 from .attention.span import (
     AdaptiveSpan,
@@ -24,6 +24,7 @@ from .attention.span import (
     FixedSpan,
     Span,
     clamp_spans,
+    key_window,
     soft_mask,
     span_loss,
 )

@@ -224,3 +224,27 @@ def test_one_span_per_layer_matches_reference_in_one_head_group(kind):
     assert len(attn._layout(tuple(windows), x.device).groups) == 1
     grads = gradients_against_reference(attn, x, cache)
     assert all(grads[0][n].abs().sum() > 0 for n in grads[0] if n.startswith("span."))
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "dynamic", "fixed"])
+def test_grouped_query_heads_are_the_layer_with_shared_key_value_heads(kind):
+    """kv_heads=2 of 4: the paper's layer (keys before the query, the table of p_d) whose
+    heads 2h and 2h + 1 read one key/value head: equal to the layer of 4 key/value heads
+    whose W_k, W_v rows repeat them, with hidden states and with a key/value cache."""
+    grouped = span_attention(kind, kv_heads=2)
+    full = span_attention(kind)
+    with torch.no_grad():
+        for name in ("k", "v"):
+            rows = getattr(grouped, name).weight.unflatten(0, (2, -1))  # (2, d_head, D)
+            getattr(full, name).weight.copy_(rows.repeat_interleave(2, dim=0).flatten(0, 1))
+    full.load_state_dict({**full.state_dict(), **{n: p for n, p in grouped.state_dict().items()
+                                                  if n.split(".")[0] not in ("k", "v")}})
+    x, past = torch.randn(2, 10, 16), torch.randn(2, 30, 16)
+    torch.testing.assert_close(grouped(x, past)[0], full(x, past)[0])
+    with torch.no_grad():
+        caches = [KeyValueCache.empty(torch.zeros(2, attn.kv_heads, 0, 4))
+                  for attn in (grouped, full)]
+        for block in (x[:, :6], x[:, 6:]):
+            (a, caches[0]), (b, caches[1]) = (attn(block, cache) for attn, cache in
+                                              zip((grouped, full), caches, strict=True))
+            torch.testing.assert_close(a, b)

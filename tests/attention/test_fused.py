@@ -16,8 +16,7 @@ if not torch.cuda.is_available():  # the interpreter is chosen before Triton is 
 from helpers import span_attention, span_variants, tiny
 from reference import gradients_against_reference, reference_attention, run_blocks
 
-from adaspan.attention import fused, use_kernel
-from adaspan.attention import span_attention as attention
+from adaspan.attention import core, fused, use_kernel
 from adaspan.training.precision import choose
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="needs Triton (adaspan[cuda])")
@@ -165,12 +164,15 @@ def test_fp32_products_use_tf32_only_where_the_run_allows_it(job, products):
 
 class _Refused:
     """A Triton kernel whose launch fails as on a GPU whose blocks have too little shared
-    memory for it."""
+    memory for it; ``tries`` counts the launches."""
+
+    tries = 0
 
     def __getitem__(self, grid):
         from triton.runtime.errors import OutOfResources
 
         def launch(*args, **meta):
+            self.tries += 1
             raise OutOfResources(180_224, 101_376, "shared memory")
 
         return launch
@@ -179,8 +181,9 @@ class _Refused:
 def test_a_kernel_the_device_cannot_run_leaves_the_layers_on_the_grouped_path(monkeypatch):
     """One warning naming the device and the numbers; every layer's output (training, then
     evaluation with a key/value cache) that of the grouped path; no launch tried again."""
-    monkeypatch.setattr(fused._kernels(), "band_forward", _Refused())
-    monkeypatch.setattr(attention, "_warned", set())
+    refused = _Refused()
+    monkeypatch.setattr(fused._kernels(), "band_forward", refused)
+    monkeypatch.setattr(core, "_refused", set())
     model, grouped = tiny("adaptive"), tiny("adaptive")
     use_kernel(model, "fused")
     use_kernel(grouped, "grouped")
@@ -192,7 +195,7 @@ def test_a_kernel_the_device_cannot_run_leaves_the_layers_on_the_grouped_path(mo
     assert len(caught) == 1
     assert re.search(r"on cpu: out of resource: shared memory, Required: 180224, Hardware "
                      r"limit: 101376", str(caught[0].message))
-    assert all(layer.attn.kernel == "grouped" for layer in model.layers)
+    assert refused.tries == 1 and not model.layers[0].attn.uses_fused(tokens)
     log_probs.sum().backward()
     expected = run_blocks(grouped, tokens, 12)
     with torch.no_grad():

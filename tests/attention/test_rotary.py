@@ -10,8 +10,8 @@ import torch
 from reference import reference_span_attention, reference_z
 
 from adaspan import ModelConfig
-from adaspan.attention.functional import rotate
 from adaspan.attention.registry import ATTENTIONS
+from adaspan.attention.rotary import rotate
 
 
 def test_rotate_turns_each_pair_by_its_angle():

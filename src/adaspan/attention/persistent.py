@@ -22,9 +22,10 @@ their kept keys, so its effect depends on how many keys their code trims; it cha
 by a relative 1e-8 / (that sum), at most 1e-8 over the persistent keys' share of the softmax.
 
 Keys at distances beyond ceil(z + R) have m_z = 0: the context part is truncated as in span
-attention. The band kernel gives its output y^c_t and log-normaliser
-l^c_t = log sum_r m_z(d) exp(s_tr) (:func:`adaspan.attention.band.banded_attention`), the
-persistent part its own, y^p_t = softmax_n(u_tn) . v^ and l^p_t = log sum_n exp(u_tn), and
+attention. The span attention core (:func:`adaspan.attention.core.span_attention`, given the
+keys and values as ``memory``) takes the band kernel's output y^c_t and log-normaliser
+l^c_t = log sum_r m_z(d) exp(s_tr), the persistent part's own, y^p_t = softmax_n(u_tn) . v^ and
+l^p_t = log sum_n exp(u_tn), and
 
     y_t = sigma(l^c_t - l^p_t) y^c_t + sigma(l^p_t - l^c_t) y^p_t
 
@@ -37,10 +38,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .band import banded_attention
 from .registry import ATTENTIONS, register_attention
 from .span import Span
 from .span_attention import SpanAttention
@@ -65,23 +64,10 @@ class PersistentAttention(SpanAttention):
         """The context keys of the span and the N persistent keys."""
         return [keys + self.persistent_size for keys in self.reach(block_size)]
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None,
-                z_min: float | None, heads: slice | Tensor) -> Tensor:
-        """y_t = sigma(l^c - l^p) y^c + sigma(l^p - l^c) y^p for the heads ``heads``."""
-        context, l_c = banded_attention(q, k, v, pos, z, self.ramp, self.dropout, self.training,
-                                        z_min=z_min, normaliser=True)
-        persistent, l_p = self._persistent(q, heads, l_c.dtype)
-        share = torch.sigmoid(l_c - l_p)[..., None].to(context.dtype)  # Z^c / Z
-        return torch.lerp(persistent.to(context.dtype), context, share)
-
-    def _persistent(self, q: Tensor, heads: slice | Tensor, dtype: torch.dtype
-                    ) -> tuple[Tensor, Tensor]:
-        """y^p (B, h, M, d_head) and l^p (B, h, M) in ``dtype`` of queries ``q`` (B, h, M,
-        d_head) over the persistent keys of heads ``heads``."""
-        u = (q @ self.persistent_keys[heads]).to(dtype)  # u_tn = q_t . kappa_n
-        weights = F.dropout(torch.softmax(u, dim=-1), self.dropout, self.training)
-        values = self.persistent_values[heads] * self.persistent_size**0.5  # v^_n
-        return weights.to(values.dtype) @ values, torch.logsumexp(u, dim=-1)
+    def _memory(self) -> tuple[Tensor, Tensor]:
+        """kappa (H, d_head, N), scoring u_tn = q_t . kappa_n, and v^ = sqrt(N) nu (H, N,
+        d_head): joined to the softmax of the context keys by the span attention core."""
+        return self.persistent_keys, self.persistent_values * self.persistent_size**0.5
 
 
 def _span_type(config: ModelConfig) -> type[Span]:

@@ -6,36 +6,32 @@ For a query at position t and a key at r (distance d = t - r, 1 <= d <= S), head
     a_tr = m_z(d) exp(s_tr) / sum_q m_z(t - q) exp(s_tq)   (eq. 2 with the soft mask)
     y_t  = sum_r a_tr v_r                            (eq. 3)
 
-Eq. 2 is computed exactly as a softmax of ``s + log m_z(d)`` (m_z = 0 gives -inf: no weight,
-no gradient). Computation is truncated to what each head can see: heads are grouped by their key
-*window* ``ceil(z + R)`` (rounded up to ``span_bucket``), and each group projects and scores
-only the keys of its window (``truncation="head"``), with the band kernels of
-:mod:`adaspan.attention.band`; or, on CUDA, every head in one kernel that reads each head's
-window as data (:mod:`adaspan.attention.fused`: as many kernel launches however many windows a
-layer has).
+:class:`SpanAttention` projects the queries, keys and values and calls
+:func:`adaspan.attention.core.span_attention`, which computes eqs. 1-3 with one of its backends.
+Computation is truncated to what each head can see: heads are grouped by their key *window*
+``ceil(z + R)`` (rounded up to ``span_bucket``), and in training the cached hidden states are
+projected to keys per group, only over that group's window (:class:`_ProjectedKeysValues`).
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import fused
-from .band import banded_attention
 from .cache import KeyValueCache, advance, fit_cache
-from .functional import grouped_span_attention, head_index, rotate, window_tensor, windows_by_head
-from .fused import KERNELS
+from .core import HeadGroup, HeadLayout, KeysValues, choose_backend, head_index, span_attention
+from .fused import KERNELS, keys_values
 from .registry import register_attention
+from .rotary import rotate
 from .span import AdaptiveSpan, DynamicSpan, FixedSpan, Span, windows_of
 
 if TYPE_CHECKING:  # the configuration is handed down; config.py is a later layer
     from ..config import ModelConfig
+
+BACKEND = {"auto": "auto", "grouped": "band", "fused": "fused"}  # kernel -> the core's backend
 
 
 class Attention(nn.Module):
@@ -90,8 +86,8 @@ class SpanAttention(Attention):
     of :mod:`adaspan.attention.band` (the CPU's path); ``"fused"``, all heads in one Triton
     kernel of :mod:`adaspan.attention.fused` whatever their windows (CUDA's path; on the CPU,
     Triton's interpreter runs it, for tests); ``"auto"`` (default): fused on CUDA where Triton
-    is installed, else grouped. A fused kernel that the device cannot give its resources sets
-    the layer's ``kernel`` to ``"grouped"``, with one warning per device.
+    is installed, else grouped. Where the device cannot give the fused kernel its resources,
+    every layer on that device takes the band kernels, with one warning.
     """
 
     kernel = "auto"
@@ -109,14 +105,12 @@ class SpanAttention(Attention):
             nn.init.uniform_(proj.weight, -(d**-0.5), d**-0.5)
         self.shared_positions = config.position_table == "model"
         self.rotary = config.position_table == "rotary"
-        # functional: rotary or grouped-query heads, computed by functional.span_attention's
-        # convention (keys at distances 0 .. S-1, the query's own included)
-        self.functional = self.rotary or self.kv_heads != self.n_heads
         # p_d, d = 1..S: here only with position_table="layer"; else the model passes its own
         self.pos = (None if self.shared_positions or self.rotary
                     else nn.Parameter(torch.randn(config.max_span, config.d_head)))
         self.span = span
-        self._last_layout: tuple[tuple, _Layout] | None = None  # ((windows, device), layout)
+        self._last_layout: tuple[tuple, HeadLayout] | None = None  # ((windows, device), layout)
+        self._rows: dict[tuple[int, ...], slice | Tensor] = {}  # of W_k, W_v, by head group
 
     def positions(self, pos: Tensor | None) -> Tensor:
         """The table p_d this layer reads: its own, or the model's ``pos`` (None: rotary)."""
@@ -158,77 +152,114 @@ class SpanAttention(Attention):
         layout = self._layout(tuple(self._key_windows(bounds)), x.device)
         history = self.max_span if self.span.input_dependent else layout.longest
         q = self.q(x).view(B, M, self.n_heads, self.d_head).transpose(1, 2)
-        if self.functional:
-            out, new_cache = _functional_heads(self, x, q, cache, z, bounds, layout, history)
-        elif self.uses_fused(x):
-            out, new_cache = _fused_heads(self, x, q, cache, pos, z, bounds, layout, history)
-        else:
-            out, new_cache = _grouped_heads(self, x, q, cache, pos, z, bounds, layout, history)
-        return self.o(out.reshape(B, M, -1)), new_cache
+        kv, new_cache = self._keys_values(x, cache, history)
+        if self.rotary:  # positions counted from the first of the T = history + M keys
+            q, kv = rotate(q, history), KeysValues(rotate(kv.k, 0), kv.v)
+        out = span_attention(q, kv, None, z, max_span=self.max_span, ramp=self.ramp,
+                             origin=self.origin, pos=pos, dropout=self.dropout,
+                             training=self.training, bounds=bounds, layout=layout,
+                             memory=self._memory(), backend=BACKEND[self.kernel])
+        return self.o(out.transpose(1, 2).reshape(B, M, -1)), new_cache
+
+    @property
+    def origin(self) -> int:
+        """The nearest key a query reads: 1 (the paper's keys before it), 0 with rotary
+        positions (its own key included, as Hugging Face models)."""
+        return 0 if self.rotary else 1
 
     def uses_fused(self, x: Tensor) -> bool:
         """Whether a forward pass on ``x`` takes the fused kernel (:mod:`adaspan.attention.fused`):
         ``kernel`` ``"fused"``, or ``"auto"`` on CUDA with Triton installed; never for a
-        subclass that joins keys to the softmax (its own :meth:`_attend`)."""
-        if type(self)._attend is not SpanAttention._attend or self.kernel == "grouped":
-            return False
-        return self.kernel == "fused" or (x.is_cuda and fused.available())
+        variant that joins memory keys to the softmax."""
+        return choose_backend(x, BACKEND[self.kernel], self._memory()) == "fused"
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, z: Tensor | None,
-                z_min: float | None, heads: slice | Tensor) -> Tensor:
-        """Eqs. 1-3 for the heads ``heads`` of one group, over their window of keys (the band
-        kernel); a subclass may join more keys to their softmax."""
-        return banded_attention(q, k, v, pos, z, self.ramp, self.dropout, self.training,
-                                z_min=z_min)
+    def _memory(self) -> tuple[Tensor, Tensor] | None:
+        """Keys (H, d_head, N) and values (H, N, d_head) joined to every query's softmax, scored
+        q . key (none here; persistent memory's)."""
+        return None
 
-    def _layout(self, windows: tuple[int, ...], device: torch.device) -> _Layout:
+    def _layout(self, windows: tuple[int, ...], device: torch.device) -> HeadLayout:
         """The head groups of ``windows``, made once per grouping and device (their index
         tensors are uploaded once, not at every forward pass)."""
         if self._last_layout is None or self._last_layout[0] != (windows, device):
-            self._last_layout = (windows, device), _Layout.of(windows, self.d_head, device)
+            layout = HeadLayout.of(windows, device, self.n_heads // self.kv_heads)
+            self._last_layout, self._rows = ((windows, device), layout), {}
         return self._last_layout[1]
 
-    def _projected_keys_values(self, x: Tensor, cache: Tensor, history: int):
-        """Keys/values from the cached hidden states, projected per head group (training).
-
-        The block's keys and values are projected once for all heads; the cached states, per
-        head group, with that group's rows of W_k and W_v (views when the heads are
-        consecutive). Cached states need no input gradient: the backward pass computes one
-        only for the block's own rows.
-        """
+    def _keys_values(self, x: Tensor, cache: Tensor | KeyValueCache, history: int
+                     ) -> tuple[KeysValues, Tensor | KeyValueCache]:
+        """The keys and values of the ``history`` positions before the block and of the
+        block, and the new cache: from a :class:`KeyValueCache` (inference), else projected
+        from the cached hidden states (recomputed with the current weights), per head group
+        except with rotary positions (every key turned)."""
+        if isinstance(cache, KeyValueCache):
+            return _cached_keys_values(self, x, cache, history)
         past = fit_cache(cache, history).to(x)  # (B, history, D)
-        block = self.k(x), self.v(x)  # (B, M, D) each
+        new_cache = advance(past, x, history)
+        if self.rotary:
+            states = torch.cat([past, x], dim=1)
+            return KeysValues(*(self._heads(proj(states)) for proj in (self.k, self.v))), new_cache
+        return _ProjectedKeysValues(self, past, x), new_cache
 
-        def keys_values(group: _Group, start: int) -> tuple[Tensor, Tensor]:
-            return tuple(
-                self._heads(torch.cat([F.linear(past[:, start:], proj.weight[group.rows]),
-                                       projected[..., group.rows]], dim=1))
-                for proj, projected in zip((self.k, self.v), block, strict=True))
-
-        return keys_values, advance(past, x, history)
+    def _group_rows(self, group: HeadGroup) -> slice | Tensor:
+        """The rows of W_k, W_v of the key/value heads ``group`` reads (made once per layout)."""
+        rows = self._rows.get(group.members)
+        if rows is None:
+            G, dh = self.n_heads // self.kv_heads, self.d_head
+            rows = self._rows[group.members] = head_index(
+                [h // G * dh + i for h in group.members for i in range(dh)],
+                self._last_layout[0][1])
+        return rows
 
     def _heads(self, t: Tensor) -> Tensor:
         """(B, T, h * d_head) -> (B, h, T, d_head)."""
         return t.unflatten(-1, (-1, self.d_head)).transpose(1, 2)
 
 
-def _grouped_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyValueCache,
-                   pos: Tensor, z: Tensor | None, bounds: tuple | None, layout: _Layout,
-                   history: int) -> tuple[Tensor, Tensor | KeyValueCache]:
-    """The outputs (B, M, H, dh) of the heads of ``attn`` by head group, each group over its
-    own window with the band kernel of :mod:`adaspan.attention.band` (``attn._attend``), and the new
-    cache."""
-    if isinstance(cache, KeyValueCache):
-        keys, values, new_cache = _cached_keys_values(attn, x, cache, history)
-        keys_values = _sliced(keys, values)
-    else:
-        keys_values, new_cache = attn._projected_keys_values(x, cache, history)
-    return _by_group(attn, q, keys_values, pos, z, bounds, layout, history), new_cache
+class _ProjectedKeysValues(KeysValues):
+    """The keys and values of a layer's cached hidden states ``past`` and block ``x``
+    (training). The band backend reads each head group's from its window's first key: the
+    block's keys and values projected once for all heads, the cached states' per group with
+    the group's rows of W_k and W_v (views when the heads are consecutive), so that cached
+    states beyond every window of a group are not projected for it. The fused backend reads
+    every key and value in two products with W_k and W_v side by side."""
+
+    def __init__(self, attn: SpanAttention, past: Tensor, x: Tensor) -> None:
+        self.attn, self.past, self.x = attn, past, x
+        self.block: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        B, T = self.x.shape[0], self.past.shape[1] + self.x.shape[1]
+        return torch.Size((B, self.attn.kv_heads, T, self.attn.d_head))
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled() and (self.x.requires_grad
+                                            or self.attn.k.weight.requires_grad)
+
+    def pair(self) -> tuple[Tensor, Tensor]:
+        return keys_values(self.stacked())
+
+    def window(self, group: HeadGroup, start: int) -> tuple[Tensor, Tensor]:
+        if self.block is None:
+            self.block = self.attn.k(self.x), self.attn.v(self.x)  # (B, M, Hkv dh) each
+        rows = self.attn._group_rows(group)
+        return tuple(
+            self.attn._heads(torch.cat([F.linear(self.past[:, start:], proj.weight[rows]),
+                                        projected[..., rows]], dim=1))
+            for proj, projected in zip((self.attn.k, self.attn.v), self.block, strict=True))
+
+    def stacked(self) -> Tensor:
+        attn = self.attn
+        weight = torch.cat([attn.k.weight, attn.v.weight])
+        kv = torch.cat([F.linear(self.past, weight), F.linear(self.x, weight)], dim=1)
+        return kv.unflatten(-1, (2, attn.kv_heads, attn.d_head))  # (B, T, 2, Hkv, dh)
 
 
 def _cached_keys_values(attn: SpanAttention, x: Tensor, cache: KeyValueCache, history: int
-                        ) -> tuple[Tensor, Tensor, KeyValueCache]:
-    """Keys and values (B, H, history + M, d_head) of the cache of ``attn`` extended by those
+                        ) -> tuple[KeysValues, KeyValueCache]:
+    """Keys and values (B, Hkv, history + M, d_head) of the cache of ``attn`` extended by those
     of the block's own tokens, and the new cache (inference)."""
     if torch.is_grad_enabled():
         raise RuntimeError(
@@ -238,108 +269,8 @@ def _cached_keys_values(attn: SpanAttention, x: Tensor, cache: KeyValueCache, hi
     B, M, _ = x.shape
     new_k, new_v = (proj(x).view(B, M, attn.kv_heads, attn.d_head).transpose(1, 2)
                     for proj in (attn.k, attn.v))
-    return cache.extend(new_k, new_v, history)
-
-
-def _functional_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyValueCache,
-                      z: Tensor | None, bounds: tuple | None, layout: _Layout, history: int
-                      ) -> tuple[Tensor, Tensor | KeyValueCache]:
-    """The outputs (B, M, H, dh) of rotary or grouped-query heads with
-    :func:`~adaspan.attention.functional.grouped_span_attention` (keys at distances 0 .. w - 1,
-    each head over its window: in the fused kernel where :meth:`SpanAttention.uses_fused`,
-    else by head group), and the new cache. The keys of the cached states are
-    recomputed, and rotary positions count from the first of the T = history + M keys: the
-    same relative positions whatever the block."""
-    if isinstance(cache, KeyValueCache):  # keys kept unrotated, turned at every block
-        keys, values, new_cache = _cached_keys_values(attn, x, cache, history)
-    else:
-        past = fit_cache(cache, history).to(x)  # (B, history, D)
-        states = torch.cat([past, x], dim=1)
-        keys, values = (attn._heads(proj(states)) for proj in (attn.k, attn.v))
-        new_cache = advance(past, x, history)
-    T, M = keys.shape[2], q.shape[2]
-    if attn.rotary:
-        q, keys = rotate(q, T - M), rotate(keys, 0)
-    groups = [(min(g.window, T), list(g.members),
-               0.0 if bounds is None else min(bounds[0][h] for h in g.members))
-              for g in layout.groups]
-    fused_kernel = attn.uses_fused(x)
-    kept = fused_kernel and layout.longest <= T  # the layout's windows, none capped at T
-    out = grouped_span_attention(q, keys, values, z, groups, attn.ramp, dropout=attn.dropout,
-                                 training=attn.training, kernel=fused_kernel,
-                                 windows=layout.windows if kept else None)
-    return out.transpose(1, 2), new_cache
-
-
-def _sliced(keys: Tensor, values: Tensor):
-    """Each group's keys and values from ``start``: slices of every head's (B, H, T, dh)."""
-
-    def keys_values(group: _Group, start: int) -> tuple[Tensor, Tensor]:
-        return keys[:, group.heads, start:], values[:, group.heads, start:]
-
-    return keys_values
-
-
-def _by_group(attn: SpanAttention, q: Tensor, keys_values, pos: Tensor, z: Tensor | None,
-              bounds: tuple | None, layout: _Layout, history: int) -> Tensor:
-    """The outputs (B, M, H, dh) of every head group over its window, the group's keys and
-    values given by ``keys_values(group, start)``."""
-    outputs = []
-    for group in layout.groups:
-        k, v = keys_values(group, history - group.window)
-        zg, z_min = None, None
-        if z is not None:
-            zg, z_min = z[:, group.heads], min(bounds[0][h] for h in group.members)
-        outputs.append(attn._attend(q[:, group.heads], k, v, pos[: group.window], zg,
-                                    z_min, group.heads))
-    out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-    if layout.order is not None:
-        out = out[:, layout.order]
-    return out.transpose(1, 2)
-
-
-def _fused_heads(attn: SpanAttention, x: Tensor, q: Tensor, cache: Tensor | KeyValueCache,
-                 pos: Tensor, z: Tensor | None, bounds: tuple | None, layout: _Layout,
-                 history: int) -> tuple[Tensor, Tensor | KeyValueCache]:
-    """The outputs (B, M, H, dh) of the heads of ``attn`` in one kernel whatever their
-    windows, and the new cache. In training, the keys and values of the cached states and of
-    the block are two products with W_k and W_v side by side (no weights sliced per head).
-    Where the kernels are not compiled for these heads
-    (:func:`adaspan.attention.fused.compiled`), or the device cannot run them (the layer's
-    ``kernel`` then set to ``"grouped"``), the same keys and values by head group."""
-    if isinstance(cache, KeyValueCache):
-        keys, values, new_cache = _cached_keys_values(attn, x, cache, history)
-        kv = keys, values
-    else:
-        past = fit_cache(cache, history).to(x)  # (B, history, D)
-        weight = torch.cat([attn.k.weight, attn.v.weight])
-        kv = torch.cat([F.linear(past, weight), F.linear(x, weight)], dim=1)
-        kv = kv.unflatten(-1, (2, attn.n_heads, attn.d_head))  # (B, T, 2, H, dh)
-        new_cache = advance(past, x, history)
-    dropout = attn.dropout if attn.training else 0.0
-    backward = torch.is_grad_enabled() and q.requires_grad
-    if not q.is_cuda or fused.compiled(q.dtype, attn.d_head, fused.precision(q.dtype, "cuda"),
-                                       backward):
-        try:
-            out = fused.band_attention(q, kv, pos, z, layout.windows, history, attn.ramp,
-                                       dropout)
-            return out, new_cache
-        except fused.ResourcesExceeded as exc:
-            _warn_once(x.device, f"the fused attention kernel cannot run here ({exc}); span "
-                                 "attention takes the grouped path (the band kernels) instead")
-            attn.kernel = "grouped"
-    keys_values = _sliced(*(kv if isinstance(kv, tuple) else fused.keys_values(kv)))
-    return _by_group(attn, q, keys_values, pos, z, bounds, layout, history), new_cache
-
-
-_warned: set[torch.device] = set()  # devices where the fused kernel could not run
-
-
-def _warn_once(device: torch.device, message: str) -> None:
-    """Warn with ``message``, the first time only for this device."""
-    if device not in _warned:
-        _warned.add(device)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    keys, values, new_cache = cache.extend(new_k, new_v, history)
+    return KeysValues(keys, values), new_cache
 
 
 def use_kernel(model: nn.Module, kernel: str) -> None:
@@ -350,58 +281,6 @@ def use_kernel(model: nn.Module, kernel: str) -> None:
     for module in model.modules():
         if isinstance(module, SpanAttention):
             module.kernel = kernel
-
-
-@dataclass(frozen=True)
-class _Group:
-    """Heads ``members`` that read the same key ``window``: their index in the head dimension
-    (``heads``) and their rows of W_k, W_v (``rows``), slices (views) when they are consecutive,
-    else index tensors on the device."""
-
-    window: int
-    members: tuple[int, ...]
-    heads: slice | Tensor
-    rows: slice | Tensor
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Heads grouped by key window, in the order of their first head (groups of consecutive
-    heads are concatenated in head order, with no reordering); ``order`` puts the outputs
-    back in head order otherwise; ``longest`` is the longest window; ``device`` that of the
-    index tensors."""
-
-    groups: tuple[_Group, ...]
-    order: Tensor | None
-    longest: int
-    device: torch.device
-
-    @functools.cached_property
-    def windows(self) -> Tensor:
-        """Each head's window, (H,) int32 on the device (for the fused kernel; uploaded at
-        its first use)."""
-        return window_tensor(windows_by_head((g.window, g.members) for g in self.groups),
-                             self.device)
-
-    @classmethod
-    def of(cls, windows: tuple[int, ...], d_head: int, device: torch.device) -> _Layout:
-        members: dict[int, list[int]] = {}
-        for head, w in enumerate(windows):
-            members.setdefault(w, []).append(head)
-        groups = [_Group(w, tuple(heads), *_indices(heads, d_head, device))
-                  for w, heads in members.items()]
-        order = [h for g in groups for h in g.members]
-        inverse = (None if order == sorted(order)
-                   else torch.tensor(order, device=device).argsort())
-        return cls(tuple(groups), inverse, max(windows), device)
-
-
-def _indices(heads: list[int], d_head: int, device: torch.device
-             ) -> tuple[slice | Tensor, slice | Tensor]:
-    """The heads ``heads`` as an index of the head dimension and of the rows of W_k, W_v:
-    slices (views, no copy) when they are consecutive, else index tensors on ``device``."""
-    rows = [h * d_head + i for h in heads for i in range(d_head)]
-    return head_index(heads, device), head_index(rows, device)
 
 
 def fixed_span(config: ModelConfig) -> FixedSpan:

@@ -3,10 +3,11 @@ mask m_z(x) in every attention layer that goes through ``AttentionInterface``.
 
 Each attention module carries its span as the attribute ``adaptive_span`` (an
 :class:`~adaspan.attention.span.AdaptiveSpan`); the function registered under
-``"adaptive_span"`` reads it and calls :func:`~adaspan.attention.functional.span_attention`
-on the queries, keys and values the layer hands over (rotary applied, cache updated: the last
-queries' keys are the queries' own positions). A batch is one sequence per row: a padded
-batch (an attention mask with a zero) is refused, as is a prepared 4D mask.
+``"adaptive_span"`` reads it and calls the span attention core,
+:func:`~adaspan.attention.core.span_attention`, on the queries, keys and values the layer hands
+over (rotary applied, cache updated: the last queries' keys are the queries' own positions,
+offset 0), with the log-mask its decode backend reads when generating. A batch is one sequence
+per row: a padded batch (an attention mask with a zero) is refused, as is a prepared 4D mask.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..attention.functional import decode_attention, key_window, span_attention, span_log_mask
-from ..attention.span import AdaptiveSpan
+from ..attention.core import span_attention, span_log_mask
+from ..attention.span import AdaptiveSpan, key_window
 from ..errors import UserError
 
 NAME = "adaptive_span"  # the attention implementation, and the attribute holding the span
-DECODE_QUERIES = 32  # calls of at most this many queries, without gradients: decode_attention
 
 _probe: list[tuple[nn.Module, int | None]] | None = None  # modules met by a probing forward
 
@@ -64,13 +64,10 @@ def adaptive_span_attention(module: nn.Module, query: Tensor, key: Tensor, value
     if attention_mask is not None:
         raise UserError("adaptive_span attention takes no prepared attention mask (a 4D mask "
                         "was given): pass a 2D mask of ones, or none")
-    if query.shape[2] <= DECODE_QUERIES and not torch.is_grad_enabled() and not (
-            module.training and dropout):
-        out = decode_attention(query, key, value, decode_mask(span, query), scale=scaling)
-    else:
-        out = span_attention(query, key, value, span(query), max_span=span.max_span,
-                             ramp=span.ramp, scale=scaling, dropout=dropout,
-                             training=module.training, z_host=span.host_z())
+    log_mask = None if torch.is_grad_enabled() else decode_mask(span, query)
+    out = span_attention(query, key, value, lambda: span(query), max_span=span.max_span,
+                         ramp=span.ramp, scale=scaling, dropout=dropout,
+                         training=module.training, z_host=span.host_z(), log_mask=log_mask)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention.band import log_soft_mask
 from ..attention.cache import Cache, KeyValueCache
+from ..attention.core import decode_step, span_log_mask
 from ..attention.span_attention import SpanAttention
 from .adaptive_io import AdaptiveInput, AdaptiveSoftmax
 from .lm import Layer, SpanLM
@@ -125,11 +125,10 @@ class _Decoding:
     @staticmethod
     def handles(model: SpanLM) -> bool:
         """Whether every layer is plain span attention (subclasses, e.g. ``vanilla``, are not;
-        nor are rotary or grouped-query heads, ``SpanAttention.functional``) followed by the
-        feed-forward sublayer."""
-        return model.config.feed_forward and all(type(layer.attn) is SpanAttention
-                                                 and not layer.attn.functional
-                                                 for layer in model.layers)
+        nor are rotary or grouped-query heads) followed by the feed-forward sublayer."""
+        return model.config.feed_forward and all(
+            type(layer.attn) is SpanAttention and not layer.attn.rotary
+            and layer.attn.kv_heads == layer.attn.n_heads for layer in model.layers)
 
     def _output(self, x: Tensor) -> Tensor:
         """The log-probabilities (V,) after the last layer's output ``x`` (1, D)."""
@@ -268,8 +267,6 @@ class _LayerDecoder(ABC):
         self.o_product = _Product(attn.o.weight, dtype, threads)
         # column j of the scores is key j of the window, at distance W - j: p_{W - j}
         self.pos_t = attn.positions(pos)[:W].flip(0).t().to(dtype).contiguous()  # (dh, W)
-        self.distance = torch.arange(W, 0, -1, device=attn.q.weight.device,
-                                     dtype=torch.float32)
         self.log_mask = None if self.span.input_dependent else self._log_mask(z)
         if self.span.input_dependent:  # z_t = S sigmoid(x_t v + b), v cast once
             self.span_weight = _transposed(self.span.v, dtype)
@@ -286,8 +283,9 @@ class _LayerDecoder(ABC):
         """log m_z(d) of each head over the window's distances (H, W): eq. 2's mask, as
         added to the scores; 0 for unmasked heads."""
         if z is None:
-            return self.distance.new_zeros(self.span.n_heads, self.window).to(self.dtype)
-        return log_soft_mask(self.distance, z.reshape(-1, 1), self.ramp).to(self.dtype)
+            return torch.zeros(self.span.n_heads, self.window, dtype=self.dtype,
+                               device=self.pos_t.device)
+        return span_log_mask(z.reshape(-1).float(), self.window, self.ramp, origin=1).to(self.dtype)
 
     def _buffers(self, H: int, dh: int, D: int, d_inner: int, device: torch.device) -> None:
         """The ring of keys and values and the work buffers."""
@@ -319,9 +317,7 @@ class _LayerDecoder(ABC):
         self.qkv_product(x, self.qkv)
         log_mask = self.log_mask if self.log_mask is not None else self._dynamic_log_mask(x)
         keys_t, values, slot = self._score_positions(log_mask, t)  # log m_z(d) + q . p_d
-        self.score_rows.baddbmm_(self.q_rows, keys_t)  # + q . k_r (eq. 1)
-        torch.softmax(self.scores, -1, out=self.scores)  # eq. 2
-        torch.bmm(self.score_rows, values, out=self.head_rows)  # eq. 3
+        decode_step(self.score_rows, self.q_rows, keys_t, values, self.head_rows)  # eqs. 1-3
         self._write(slot)  # this token's key and value, for the next W tokens
         h = self.norm1(self.o_product(self.heads, self.attended, x))
         self.fc1_product(h, self.inner, self.fc1_bias).relu_()

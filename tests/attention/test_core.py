@@ -1,4 +1,5 @@
-"""span_attention (any q, k, v) against the naive reference of tests/reference.py."""
+"""The span attention core (any q, k, v; both origins; every backend but the fused one, which
+test_core_fused.py runs) against the naive float64 reference of tests/reference.py."""
 
 from __future__ import annotations
 
@@ -11,15 +12,10 @@ import pytest
 import torch
 from reference import reference_span_attention
 
-from adaspan.attention import functional
-from adaspan.attention.functional import (
-    decode_attention,
-    grouped_span_attention,
-    head_groups,
-    key_window,
-    span_attention,
-    span_log_mask,
-)
+from adaspan.attention import core
+from adaspan.attention.core import HeadLayout, KeysValues, span_attention, span_log_mask
+from adaspan.attention.functional import decode_attention
+from adaspan.attention.span import key_window
 
 S, R, D = 16, 4.0, 8
 
@@ -49,17 +45,20 @@ SHAPES = [(4, 4, 12, 12), (4, 1, 12, 12), (8, 2, 5, 20), (4, 4, 1, 30), (8, 2, 1
           (4, 1, 40, 40), (8, 4, 7, 50)]
 
 
+@pytest.mark.parametrize("origin", [0, 1])
 @pytest.mark.parametrize("with_pos", [True, False])
 @pytest.mark.parametrize("z_kind", [None, "head", "dynamic"])
 @pytest.mark.parametrize("Hq,Hkv,M,T", SHAPES)
-def test_agrees_with_the_reference_in_float32(Hq, Hkv, M, T, z_kind, with_pos):
+def test_agrees_with_the_reference_in_float32(Hq, Hkv, M, T, z_kind, with_pos, origin):
+    T += origin  # a key before the first query
     inputs = _inputs(2, Hq, Hkv, M, T, z_kind, with_pos)
     q, k, v, z, pos = inputs
-    out = span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos)
+    out = span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos, origin=origin, backend="band")
     assert out.shape == q.shape and out.dtype == q.dtype
     grads = _gradients(out, inputs)
     ref_inputs = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
-    expected = reference_span_attention(*ref_inputs[:4], S, R, pos=ref_inputs[4])
+    expected = reference_span_attention(*ref_inputs[:4], S, R, pos=ref_inputs[4],
+                                        origin=origin)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     for got, want in zip(grads, _gradients(expected, ref_inputs), strict=True):
         assert (got is None) == (want is None)
@@ -95,13 +94,13 @@ def test_spans_longer_than_the_keys_and_a_scale():
 
 def _band_calls(monkeypatch) -> list[tuple]:
     calls = []
-    band = functional.banded_attention
+    band = core.banded_attention
 
     def recording(q, k, v, pos, z, *args, **kwargs):
         calls.append((q.shape[1], k.shape[2], kwargs["window"], kwargs["start"]))
         return band(q, k, v, pos, z, *args, **kwargs)
 
-    monkeypatch.setattr(functional, "banded_attention", recording)
+    monkeypatch.setattr(core, "banded_attention", recording)
     return calls
 
 
@@ -161,15 +160,61 @@ def test_the_speed_script_prints_both_paths():
         assert result[name]["max_abs_difference"] < 1e-4  # the same attention
 
 
-def test_grouped_attention_with_host_spans_equals_span_attention():
-    """``head_groups`` from z on the host (no read of the device), bucketed windows: the same
-    output as :func:`span_attention`, which reads z's bounds itself."""
+def test_a_layout_of_bucketed_windows_equals_the_spans_own():
+    """A caller's layout (windows rounded up to a bucket of 8, from z on the host): the same
+    output as the windows span_attention finds itself."""
     q, k, v, z, pos = _inputs(2, 8, 2, 6, 40, "head", True)
     host = z.detach().flatten().tolist()
-    groups = head_groups(host, host, S, R, 40, bucket=8)
-    assert {w for w, _, _ in groups} == {8, 16}
-    out = grouped_span_attention(q, k, v, z.view(1, 8, 1), groups, R, pos, kernel=False)
+    layout = HeadLayout.of([key_window(h, S, R, bucket=8) for h in host], q.device, 4)
+    assert {g.window for g in layout.groups} == {8, 16}
+    out = span_attention(q, k, v, z.view(1, 8, 1), max_span=S, ramp=R, pos=pos, layout=layout,
+                         bounds=(host, host))
     torch.testing.assert_close(out, span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos))
+
+
+@pytest.mark.parametrize("origin", [0, 1])
+@pytest.mark.parametrize("Hq,Hkv,M,T", [(4, 4, 6, 20), (8, 2, 1, 9), (4, 1, 12, 12)])
+def test_memory_keys_join_the_softmax(Hq, Hkv, M, T, origin):
+    """Learned keys and values (persistent memory) in one softmax with the context keys, the
+    context masked and the memory not: output and every gradient against the reference."""
+    inputs = _inputs(2, Hq, Hkv, M, T + origin, "head", True)
+    g = torch.Generator().manual_seed(5)
+    memory = [torch.randn(Hq, D, 3, generator=g).requires_grad_(),
+              torch.randn(Hq, 3, D, generator=g).requires_grad_()]
+    q, k, v, z, pos = inputs
+    out = span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos, origin=origin,
+                         memory=tuple(memory))
+    grads = _gradients(out, inputs + memory)
+    ref = [t.detach().clone().requires_grad_() for t in inputs + memory]
+    expected = reference_span_attention(*ref[:4], S, R, pos=ref[4], origin=origin,
+                                        memory=tuple(ref[5:]))
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, _gradients(expected, ref), strict=True):
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
+
+
+class _Counted(KeysValues):
+    """Keys and values that record which windows the band backend asks for."""
+
+    def __init__(self, k, v):
+        super().__init__(k, v)
+        self.asked = []
+
+    def window(self, group, start):
+        self.asked.append((group.members, start))
+        return super().window(group, start)
+
+
+def test_keys_values_are_asked_for_per_group_from_its_window():
+    """A :class:`KeysValues` source is read per head group from the group's first key (the
+    paper's origin: T - M - w), so a layer can project only those keys."""
+    q, k, v, z, pos = (t.detach() if t is not None else None
+                       for t in _inputs(1, 4, 4, 5, 21, "head", True))
+    kv = _Counted(k, v)
+    out = span_attention(q, kv, None, z, max_span=S, ramp=R, pos=pos, origin=1)
+    assert sorted(kv.asked) == [((0,), 16 - 6), ((1,), 16 - 10), ((2,), 0), ((3,), 16 - 12)]
+    expected = reference_span_attention(q, k, v, z, S, R, pos=pos, origin=1)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def _decode_case(Hq, Hkv, M, T, with_pos, dtype):
@@ -181,17 +226,25 @@ def _decode_case(Hq, Hkv, M, T, with_pos, dtype):
     return (q, k, v, span_log_mask(host, key_window(max(host), S, R), R), pos), z
 
 
+@pytest.mark.parametrize("origin", [0, 1])
 @pytest.mark.parametrize("with_pos", [True, False])
 @pytest.mark.parametrize("Hq,Hkv,M,T", [(4, 4, 1, 30), (8, 2, 1, 9), (4, 1, 1, 40), (4, 4, 1, 1),
                                         (8, 2, 3, 25), (4, 1, 5, 7), (4, 4, 16, 16)])
-def test_decoding_all_heads_at_once_agrees_with_the_reference(Hq, Hkv, M, T, with_pos):
-    """MHA, GQA and MQA; one query and a few, keys fewer or more than the longest window."""
-    (q, k, v, log_mask, pos), z = _decode_case(Hq, Hkv, M, T, with_pos, torch.float32)
+def test_decoding_all_heads_at_once_agrees_with_the_reference(Hq, Hkv, M, T, with_pos, origin):
+    """MHA, GQA and MQA; one query and a few, keys fewer or more than the longest window; the
+    auto backend decodes where it is given the log-mask and no gradient is needed."""
+    T += origin
+    (q, k, v, _, pos), z = _decode_case(Hq, Hkv, M, T, with_pos, torch.float32)
+    host = z.flatten().tolist()
+    log_mask = span_log_mask(host, key_window(max(host), S, R), R, origin=origin)
     assert log_mask.shape == (Hq, 16)
     for scale in (None, 0.2):
-        out = decode_attention(q, k, v, log_mask, pos=pos, scale=scale)
+        with torch.no_grad():
+            out = span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos, scale=scale,
+                                 origin=origin, log_mask=log_mask)
         assert out.shape == q.shape and out.dtype == q.dtype
-        expected = reference_span_attention(q, k, v, z, S, R, pos=pos, scale=scale)
+        assert core.choose_backend(q, "auto", log_mask=log_mask) == "band"  # grad enabled
+        expected = reference_span_attention(q, k, v, z, S, R, pos=pos, scale=scale, origin=origin)
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -209,6 +262,9 @@ def test_the_log_mask_is_the_soft_mask_by_distance_oldest_first():
     mask = span_log_mask([0.0, 2.5], 4, 2.0)  # distances 3, 2, 1, 0
     expected = torch.tensor([[0.0, 0.0, 0.5, 1.0], [0.75, 1.0, 1.0, 1.0]]).log()
     torch.testing.assert_close(mask, expected)
+    shifted = span_log_mask(torch.tensor([1.0, 3.5]), 4, 2.0, origin=1)  # distances 4 .. 1
+    torch.testing.assert_close(shifted, expected)  # m_{z+1}(x + 1) = m_z(x)
+    assert shifted.dtype == torch.float32
 
 
 def test_spans_given_on_the_host_read_nothing_from_the_device(monkeypatch):

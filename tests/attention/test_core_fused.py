@@ -1,6 +1,6 @@
-"""span_attention on the fused kernel (CUDA's path: grouped-query heads, optional table, keys
-of a cache, absent keys before a sequence) against the naive reference, run on the CPU by
-Triton's interpreter."""
+"""The span attention core's fused backend (CUDA's path: grouped-query heads, optional table,
+keys of a cache, absent keys before a sequence, both origins) against the naive reference, run
+on the CPU by Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -16,26 +16,19 @@ from reference import reference_span_attention
 
 from adaspan import ModelConfig
 from adaspan.attention import fused, use_kernel
-from adaspan.attention.functional import grouped_span_attention, key_window
+from adaspan.attention.core import span_attention
 from adaspan.attention.registry import ATTENTIONS
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="needs Triton (adaspan[cuda])")
 S, R, D = 16, 4.0, 8
 
 
-def _groups(z, H, T):
-    """Each head alone, its window from its greatest z (capped at S and T)."""
-    if z is None:
-        return [(min(S, T), list(range(H)), 0.0)]
-    z = z.expand(-1, H, -1)
-    return [(min(key_window(z[:, h].max().item(), S, R), T), [h], z[:, h].min().item())
-            for h in range(H)]
-
-
 @pytest.mark.parametrize("with_pos", [True, False])
 @pytest.mark.parametrize("z_kind", [None, "head", "dynamic"])
-@pytest.mark.parametrize("Hq,Hkv,M,T", [(4, 2, 5, 20), (4, 1, 12, 12), (2, 2, 1, 9)])
-def test_fused_kernel_agrees_with_the_reference(Hq, Hkv, M, T, z_kind, with_pos):
+@pytest.mark.parametrize("Hq,Hkv,M,T,origin", [(4, 2, 5, 20, 0), (4, 1, 12, 12, 0),
+                                               (2, 2, 1, 9, 0), (4, 2, 5, 20, 1),
+                                               (4, 4, 7, 9, 1)])
+def test_fused_kernel_agrees_with_the_reference(Hq, Hkv, M, T, origin, z_kind, with_pos):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, Hq, M, D, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, Hkv, T, D, generator=g, dtype=torch.float64, requires_grad=True)
@@ -46,8 +39,12 @@ def test_fused_kernel_agrees_with_the_reference(Hq, Hkv, M, T, z_kind, with_pos)
     if z is not None:
         z = z.double().requires_grad_()
     inputs = [t for t in (q, k, v, z) if t is not None]
-    out = grouped_span_attention(q, k, v, z, _groups(z, Hq, T), R, pos, kernel=True)
-    expected = reference_span_attention(q, k, v, z, S, R, pos=pos)
+    launches = []
+    with fused.observe_launches(lambda name: launches.append(name) or True):
+        out = span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos, origin=origin,
+                             backend="fused")
+    assert launches  # the kernel ran, not the band backend
+    expected = reference_span_attention(q, k, v, z, S, R, pos=pos, origin=origin)
     torch.testing.assert_close(out, expected, atol=1e-9, rtol=1e-9)
     grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
     got = torch.autograd.grad((out * grad).sum(), inputs)
