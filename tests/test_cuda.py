@@ -54,6 +54,70 @@ def test_span_attention_on_cuda_equals_its_reference(kind):
     torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("origin", [0, 1])
+@pytest.mark.parametrize("with_pos", [True, False])
+@pytest.mark.parametrize("Hq,Hkv,M,T", [(4, 2, 16, 48), (4, 4, 9, 9), (8, 1, 5, 40)])
+def test_the_cores_fused_backend_on_cuda_equals_the_reference(Hq, Hkv, M, T, with_pos, origin):
+    """The span attention core's fused backend on the GPU (grouped-query heads, both origins,
+    with and without a table, a short history with absent keys): output and gradients against
+    the float64 reference, and the kernel launched (not the band backend)."""
+    from reference import reference_span_attention
+
+    from adaspan.attention import fused
+    from adaspan.attention.core import span_attention as core_attention
+
+    g = torch.Generator().manual_seed(0)
+    T += origin
+    q = torch.randn(2, Hq, M, 16, generator=g)
+    k, v = (torch.randn(2, Hkv, T, 16, generator=g) for _ in range(2))
+    pos = torch.randn(32, 16, generator=g) if with_pos else None
+    z = torch.tensor([2.5, 29.5, 9.3, 16.7] * 2)[:Hq].view(1, Hq, 1)  # off the kinks
+    inputs = [t for t in (q, k, v, z, pos) if t is not None]
+    on_gpu = [t.to(CUDA).requires_grad_() for t in inputs]
+    launches = []
+    with fused.observe_launches(lambda name: launches.append(name) or True):
+        out = core_attention(*on_gpu[:4], max_span=32, ramp=4.0, origin=origin,
+                             pos=on_gpu[4] if with_pos else None, backend="fused")
+    assert launches
+    expected_inputs = [t.double().requires_grad_() for t in inputs]
+    expected = reference_span_attention(*expected_inputs[:4], 32, 4.0, origin=origin,
+                                        pos=expected_inputs[4] if with_pos else None)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-3, rtol=2e-3)
+    grad = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad((out * grad.to(CUDA)).sum(), on_gpu)
+    want = torch.autograd.grad((expected * grad.double()).sum(), expected_inputs)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double().cpu(), b, atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_hugging_face_model_with_spans_on_cuda_equals_the_cpu(kind):
+    """The adaptive_span attention on CUDA (the core's fused backend for the prompt, its
+    decode backend per generated token) gives the CPU's logits and greedy tokens."""
+    pytest.importorskip("transformers")
+    from helpers import tiny_hf
+
+    from adaspan.hf import SpanCache, add_spans, span_modules
+
+    model = add_spans(tiny_hf(kind), max_span=64, ramp=4)
+    for span, row in zip(span_modules(model), [[5, 9, 17, 12], [6, 6, 8, 20]], strict=True):
+        span.set_spans(torch.tensor(row, dtype=torch.float32))
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(3))
+
+    def greedy(model, ids):
+        out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                             past_key_values=SpanCache(model), return_dict_in_generate=True,
+                             output_logits=True)
+        return out.sequences.cpu(), torch.stack(out.logits).cpu()
+
+    logits, (tokens, steps) = model(ids).logits, greedy(model, ids)
+    model.to(CUDA)
+    torch.testing.assert_close(model(ids.to(CUDA)).logits.cpu(), logits, atol=2e-3, rtol=2e-3)
+    gpu_tokens, gpu_steps = greedy(model, ids.to(CUDA))
+    assert torch.equal(gpu_tokens, tokens)
+    torch.testing.assert_close(gpu_steps, steps, atol=2e-3, rtol=2e-3)
+
+
 def test_steady_evaluation_blocks_never_wait_for_the_gpu():
     model = tiny("adaptive").to(CUDA)
     blocks = torch.randint(0, 32, (4, 2, 16), device=CUDA)
