@@ -13,12 +13,13 @@ PACKAGE = Path(adaspan.__file__).parent
 
 # The parts in order: a folder, or a module at the top of the package. A module imports only
 # modules of its own part or of earlier ones.
-PARTS = ["_version", "errors", "attention", "model", "hf", "data", "presets", "config", "resolve",
-         "training", "measure", "cli", "__init__"]
+PARTS = ["_version", "errors", "config", "attention", "model", "data", "presets", "resolve",
+         "training", "measure", "hf", "cli", "__init__"]
 
 # Layer of every module, lowest first (the table of docs/architecture.md).
 LAYERS = {
     "_version": 0, "errors": 0,
+    "config": 0.5,
     "attention/_fused_kernels": 1, "attention/span": 1, "attention/cache": 1,
     "attention/rotary": 1,
     "attention/fused": 2, "attention/registry": 2, "attention/band": 2,
@@ -29,13 +30,9 @@ LAYERS = {
     "model/adaptive_io": 5, "model/analysis": 5,
     "model/lm": 6,
     "model/decode": 7, "model/__init__": 7,
-    "hf/attention": 8,
-    "hf/cache": 9, "hf/spans": 9,
-    "hf/__init__": 10,
     "data/files": 11, "data/download": 11, "data/synthetic": 11,
     "data/corpora": 12, "data/tokenizer": 12, "data/__init__": 12,
     "presets": 13,
-    "config": 14,
     "resolve": 15,
     "training/precision": 16, "training/distributed": 16, "training/metrics": 16,
     "training/optim": 16, "training/watch": 16,
@@ -49,8 +46,11 @@ LAYERS = {
     "measure/page": 23,
     "measure/report": 24,
     "measure/compare": 25, "measure/demo": 25, "measure/__init__": 25,
-    "cli": 26, "__init__": 27,
-    "training/retrofit": 20, "measure/retrofit_report": 23,
+    "hf/attention": 26,
+    "hf/span_cache": 27, "hf/spans": 27,
+    "hf/retrofit": 28,
+    "hf/report": 29, "hf/__init__": 29,
+    "cli": 30, "__init__": 31,
 }
 
 

@@ -115,7 +115,7 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
     "gpu_compile.py": "tests/attention/test_gpu_compile.py",
     "hf_cache_speed.py": "tests/hf/test_hf_cache.py",
     "learning_check.py": "tests/training/test_learning_check.py",
-    "retrofit_experiment.py": "tests/training/test_retrofit.py",
+    "retrofit_experiment.py": "tests/hf/test_retrofit.py",
     "make_adaptive_io_fixture.py": (
         lambda tmp: [str(ANCHORS / "adaptive-span"), "--out", str(tmp / "out")],
         wrote("cases.json", "tied.safetensors", "tied.npy", "untied.npy")),
@@ -144,7 +144,7 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
     "tokenizer_race.py": (lambda tmp: ["--seconds", "1", "--tokenizers", "bytes", "--threads",
                                        "1", "--max-chars", "512", "--out", str(tmp / "runs")],
                           every_line_has("tokenizer", "bits_per_byte", "tokens_per_s")),
-    "train_hf_model.py": "tests/training/test_retrofit.py",
+    "train_hf_model.py": "tests/hf/test_retrofit.py",
     "tune_chunks.py": (lambda tmp: ["--batch", "1", "--block", "16", "--repeats", "1",
                                     "--windows", "64,128"],
                        every_line_has("window", "best")),

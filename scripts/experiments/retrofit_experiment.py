@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from adaspan.config import RetrofitConfig
 from adaspan.data.corpora import resolve_data
-from adaspan.measure.retrofit_report import measure, write
+from adaspan.hf.report import measure_retrofit, write
+from adaspan.hf.retrofit import STATE_FILE, retrofit
 from adaspan.training.precision import choose
-from adaspan.training.retrofit import STATE_FILE, RetrofitConfig, retrofit
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,8 +84,9 @@ def run_one(args: argparse.Namespace, span_loss: float) -> dict:
                    resume=(out / STATE_FILE).is_file(), progress=False)
     if args.train_only:
         return {"span_loss": span_loss, "steps": run.step}
-    report = measure(run, choose(args.dtype, cpu, "score"), args.eval_bytes, args.decode_tokens,
-                     args.rounds, locked(args.lock) if args.lock else nullcontext())
+    report = measure_retrofit(run, choose(args.dtype, cpu, "score"), args.eval_bytes,
+                              args.decode_tokens, args.rounds,
+                              locked(args.lock) if args.lock else nullcontext())
     write(out, report)
     return {"span_loss": span_loss, "steps": run.step, **summary(report)}
 

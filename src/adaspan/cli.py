@@ -684,7 +684,7 @@ def _convert_official(args: argparse.Namespace) -> int:
 
 
 def _add_retrofit(commands) -> None:
-    from .training.retrofit import LOSSES, RetrofitConfig
+    from .config import LOSSES, RetrofitConfig
 
     p = _command(commands, "retrofit", _retrofit)
     p.add_argument("model_dir", type=Path, metavar="MODEL_DIR",
@@ -727,13 +727,14 @@ def _retrofit(args: argparse.Namespace) -> int:
     Freeze every weight of MODEL_DIR, attach an adaptive span to each attention layer (at
     its full span S) and train only the spans: distillation towards the model's own
     full-attention outputs (and/or the text's loss) plus the span penalty. Writes to --out the
-    model with its spans (adaspan.hf.load_model reads it) and a report, retrofit.json and
+    model with its spans (adaspan.hf.load_pretrained reads it) and a report, retrofit.json and
     retrofit.md: spans per head, held-out bits per byte, key/value cache bytes and decode
     speed, with full attention and with the spans (see docs/retrofit.md)."""
+    from .config import RetrofitConfig
     from .data.corpora import resolve_data
-    from .measure.retrofit_report import markdown, measure, write
+    from .hf.report import markdown, measure_retrofit, write
+    from .hf.retrofit import retrofit
     from .training.precision import choose
-    from .training.retrofit import RetrofitConfig, retrofit
 
     config = RetrofitConfig(
         str(args.model_dir.resolve()), resolve_data(args.data), str(args.out.resolve()),
@@ -741,8 +742,8 @@ def _retrofit(args: argparse.Namespace) -> int:
         args.span_loss, args.loss, args.seed, args.checkpoint_interval)
     run = retrofit(config, choose(args.dtype, args.device, "train"), args.resume,
                    progress=not args.no_progress)
-    report = measure(run, choose(args.dtype, args.device, "score"), args.eval_bytes,
-                     args.decode_tokens)
+    report = measure_retrofit(run, choose(args.dtype, args.device, "score"), args.eval_bytes,
+                              args.decode_tokens)
     write(args.out, report)
     print(_json_line(report) if args.json else markdown(report), end="\n" if args.json else "")
     return 0

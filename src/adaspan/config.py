@@ -11,13 +11,10 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-from .attention.fused import KERNELS
-from .attention.registry import ATTENTIONS, VariantNames
-from .data.tokenizer import TOKENIZERS
 from .errors import ConfigError, require
 
 DTYPES = ("auto", "float32", "bfloat16")  # what --dtype accepts (training.precision reads them)
@@ -29,6 +26,45 @@ POSITION_TABLES = ("model", "layer", "rotary")
 OPTIMIZERS = ("adagrad", "adamw")
 CLIP_MODES = ("per-tensor-lr", "global")
 LR_SCHEDULES = ("constant", "cosine", "linear")
+LOSSES = ("distill", "lm", "both")  # what adaspan retrofit trains the spans on
+
+
+class Registered(Collection):
+    """The values of an option that the part defining them registers (attention variants,
+    tokenizers, kernels: :func:`register_choices`), read when asked (a live collection): this
+    module imports nothing of the package but its errors."""
+
+    def __init__(self, option: str) -> None:
+        self.option = option
+
+    def _values(self) -> Collection[str]:
+        return CHOICES.get(self.option, ())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values())
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._values()
+
+
+CHOICES: dict[str, Collection[str]] = {}  # option -> the values registered for it
+CHECKS: dict[str, list[Callable[[Any], None]]] = {"model": [], "train": []}  # by section
+
+
+def register_choices(option: str, values: Collection[str]) -> None:
+    """``values`` (a live collection) are what ``option`` accepts."""
+    CHOICES[option] = values
+
+
+def register_check(section: str, check: Callable[[Any], None]) -> None:
+    """``check(config)`` validates every configuration of ``section`` ("model", "train") once
+    its own checks passed, raising :class:`ConfigError` (a part's rules for the options it
+    reads: an attention variant's, a tokenizer's)."""
+    if check not in CHECKS[section]:
+        CHECKS[section].append(check)
 
 
 def option(default: Any, help: str, *, choices: Collection[str] | None = None,
@@ -71,6 +107,10 @@ class Options:
             if choices is not None:
                 self._require(item.name, lambda v, c=choices: v in c,
                               f"one of {', '.join(choices)}")
+
+    def _run_registered_checks(self) -> None:
+        for check in CHECKS[self.section]:
+            check(self)
 
     def _require(self, name: str, ok: Callable[[Any], object], what: str) -> None:
         require(self.option_name(name), getattr(self, name), ok, what)
@@ -119,7 +159,7 @@ class ModelConfig(Options):
     dropout: float = option(0.3, "dropout on attention weights and ReLU activations "
                             "(paper: 0.3 small, 0.4 large)")
     attention: str = option("adaptive", "attention variant (paper: adaptive)",
-                            choices=ATTENTIONS.keys())
+                            choices=Registered("attention"))
     max_span: int = option(8192, "span limit S, in tokens (paper: 512 to 8192)")
     ramp: int = option(32, "width R of the soft mask's ramp (paper: 32)")
     span_init: float = option(0.0, "initial z' of adaptive spans, z = S z' (paper: 0)")
@@ -145,7 +185,7 @@ class ModelConfig(Options):
                                   "attention=persistent (all-attention)")
     persistent_span: str = option("adaptive", "span of the context keys of "
                                   "attention=persistent",
-                                  choices=VariantNames(lambda variant: variant.span_of is not None))
+                                  choices=Registered("persistent_span"))
     feed_forward: bool = option(True, "each layer has its ReLU feed-forward sublayer (true | "
                                 "false: the all-attention layer, with attention=persistent)")
     adaptive_io: bool = option(False, "adaptive input and softmax (Baevski & Auli; Grave et "
@@ -174,31 +214,13 @@ class ModelConfig(Options):
         self._require("feed_forward", lambda v: isinstance(v, bool), "true or false")
         self._require("factorized_c", lambda v: _is_int(v) and 0 < v <= self.factorized_stride,
                       f"an integer in [1, factorized_stride={self.factorized_stride}]")
-        self._check_variant()
-        self._check_span_can_adapt()
         self._check_adaptive_io()
-        _check_heads_and_positions(self)
-
-    def _check_variant(self) -> None:
-        """The options the registered attention checks itself (``check`` of
-        :func:`~adaspan.attention.registry.register_attention`); its ValueError is a ConfigError."""
-        check = ATTENTIONS[self.attention].check
-        try:
-            if check is not None:
-                check(self)
-        except ConfigError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(f"attention={self.attention}: {exc}") from None
-
-    def _check_span_can_adapt(self) -> None:
-        """Learned spans need room beyond the ramp: with S <= R every span ``min(S, z + R)``
-        is S whatever z, so nothing would adapt."""
-        if self.max_span <= self.ramp and ATTENTIONS[self.attention].span_type(self).learned:
-            raise ConfigError(
-                f"max_span={self.max_span} must be larger than ramp={self.ramp} for "
-                f"attention={self.attention}: every span would be pinned at max_span and "
-                "nothing would adapt; raise max_span or lower ramp")
+        self._require("kv_heads", lambda v: v is None or (_is_int(v) and v > 0
+                                                          and self.n_heads % v == 0),
+                      f"none or a positive divisor of n_heads={self.n_heads}")
+        self._require("position_table", lambda v: v != "rotary" or self.d_head % 2 == 0,
+                      f"model or layer where d_head={self.d_head} is odd (rotary turns pairs)")
+        self._run_registered_checks()
 
     def _check_adaptive_io(self) -> None:
         """Booleans, ``div_val`` >= 1, ``cutoffs`` increasing ids in (0, vocab_size), set
@@ -234,22 +256,6 @@ class ModelConfig(Options):
 
 
 
-def _check_heads_and_positions(config: ModelConfig) -> None:
-    """``kv_heads`` divides ``n_heads``; rotary positions turn pairs of a head's dimensions (an
-    even ``d_head``); both are computed by the span attentions alone."""
-    config._require("kv_heads", lambda v: v is None or (_is_int(v) and v > 0
-                                                        and config.n_heads % v == 0),
-                    f"none or a positive divisor of n_heads={config.n_heads}")
-    rotary = config.position_table == "rotary"
-    config._require("position_table", lambda v: not rotary or config.d_head % 2 == 0,
-                    f"model or layer where d_head={config.d_head} is odd (rotary turns pairs)")
-    if ((rotary or config.key_value_heads != config.n_heads)
-            and ATTENTIONS[config.attention].span_of is None):
-        raise ConfigError(f"attention={config.attention} has neither kv_heads nor "
-                          "position_table=rotary: they are for the span attentions ("
-                          + ", ".join(VariantNames(lambda v: v.span_of is not None)) + ")")
-
-
 @dataclass
 class TrainConfig(Options):
     """How to train (defaults: the paper's small models, §3).
@@ -273,7 +279,8 @@ class TrainConfig(Options):
                             "each line end, other words spelled with the 256 byte tokens) | a "
                             "byte-level BPE subword trained on "
                             "the train split to vocab_size tokens (or read from "
-                            "tokenizer_file)", choices=TOKENIZERS.keys(), fixed_on_resume=True)
+                            "tokenizer_file)", choices=Registered("tokenizer"),
+                            fixed_on_resume=True)
     tokenizer_file: str | None = option(None, "a tokenizer.json to use instead of training "
                                         "one: for bpe any Hugging Face tokenizers file, for "
                                         "words or bpe that of an adaspan run",
@@ -314,7 +321,7 @@ class TrainConfig(Options):
     kernel: str = option("auto", "how span attention computes its heads: grouped (heads "
                          "grouped by key window, the band kernels: the CPU's path), fused (all "
                          "heads in one Triton kernel: CUDA's path) or auto (fused on CUDA with "
-                         "Triton installed, else grouped)", choices=KERNELS)
+                         "Triton installed, else grouped)", choices=Registered("kernel"))
     compile: bool = option(False, "compile the layers' dense parts (norms, feed-forward, "
                            "residuals) and the output with torch.compile (true | false)")
     memory_limit: float | None = option(None, "GB a run may use (default: what the device has "
@@ -351,9 +358,6 @@ class TrainConfig(Options):
                       "a directory or None")
         self._require("tokenizer_file", lambda v: v is None or (isinstance(v, str) and v),
                       "a path or None")
-        self._require("tokenizer_file",
-                      lambda v: v is None or TOKENIZERS[self.tokenizer].learned,
-                      f"None for tokenizer={self.tokenizer}, which learns nothing")
         self._check_choices()
         self._require("device", lambda v: DEVICE.fullmatch(v), "auto, cpu, cuda or cuda:N")
         self._require("time_budget", lambda v: v is None or (_is_number(v) and v > 0),
@@ -364,6 +368,7 @@ class TrainConfig(Options):
                       "a number of GB > 0, or None")
         self._require("threads", lambda v: v is None or (_is_int(v) and v >= 0),
                       "an integer >= 0 (0: torch's default), or None")
+        self._run_registered_checks()
 
     @classmethod
     def fixed_on_resume(cls) -> list[str]:
@@ -391,3 +396,42 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class RetrofitConfig:
+    """The options of a retrofit (``adaspan retrofit --help`` gives their meaning)."""
+
+    model_dir: str
+    data: str
+    out: str
+    max_span: int | None = None  # S; None: the context
+    ramp: int = 32
+    context: int = 1024
+    steps: int = 200
+    batch_size: int = 4
+    lr: float = 0.02
+    span_loss: float = 2e-5
+    loss: str = "distill"
+    seed: int = 0
+    checkpoint_interval: int = 50
+
+    def __post_init__(self) -> None:
+        positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.max_span is not None and not 1 <= self.max_span <= self.context:
+            raise ConfigError(f"max_span must lie in [1, context={self.context}], "
+                              f"got {self.max_span}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"lr must be a number > 0, got {self.lr}")
+        if not (self.span_loss >= 0 and math.isfinite(self.span_loss)):
+            raise ConfigError(f"span_loss must be a number >= 0, got {self.span_loss}")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+
+    @property
+    def span_limit(self) -> int:
+        """S: ``max_span``, or the context where it is not given."""
+        return self.max_span or self.context

@@ -90,7 +90,7 @@ def test_dropout_draws_the_same_mask_forward_and_backward():
 
     def loss(*tensors):
         torch.manual_seed(1)  # the dropout seed
-        out = fused.band_attention(*tensors, windows, history, 8, dropout=0.5)
+        out = fused.fused_attention(*tensors, windows, history, 8, dropout=0.5)
         return (out * weights).sum()
 
     grads = torch.autograd.grad(loss(*inputs), inputs)
@@ -102,7 +102,7 @@ def test_dropout_draws_the_same_mask_forward_and_backward():
     expected = sum((g * d).sum() for g, d in zip(grads, directions, strict=True))
     torch.testing.assert_close((up - down) / (2 * eps), expected, atol=1e-6, rtol=1e-6)
     with torch.no_grad():
-        plain = fused.band_attention(q, kv, pos, z, windows, history, 8)
+        plain = fused.fused_attention(q, kv, pos, z, windows, history, 8)
     assert not torch.allclose((plain * weights).sum(), loss(*inputs))
 
 

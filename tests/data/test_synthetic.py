@@ -14,7 +14,7 @@ import pytest
 from adaspan.cli import main
 from adaspan.config import ModelConfig, TrainConfig
 from adaspan.data.corpora import BlockStream, load_corpus, source_distance
-from adaspan.data.synthetic import DEFAULTS, generate, parse
+from adaspan.data.synthetic import DEFAULTS, parse, synthesize
 from adaspan.errors import UserError
 from adaspan.training.checkpoint import load_model
 from adaspan.training.evaluate import bpc_by_distance, evaluate
@@ -26,10 +26,10 @@ WORDS = "synthetic:words?vocab=300&skew=1.1&length=20000&seed=4"
 
 def test_same_spec_same_text_other_seed_other_text():
     for spec in (COPY, WORDS):
-        first, again = generate(spec), generate(spec)
+        first, again = synthesize(spec), synthesize(spec)
         assert np.array_equal(first.tokens, again.tokens)
         assert np.array_equal(first.distance, again.distance)
-        assert not np.array_equal(first.tokens, generate(spec.replace("seed=", "seed=1")).tokens)
+        assert not np.array_equal(first.tokens, synthesize(spec.replace("seed=", "seed=1")).tokens)
         assert len(first.tokens) == len(first.distance) == 20000
 
 
@@ -40,7 +40,7 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
 
 
 def test_copy_segments_repeat_the_text_their_distance_back():
-    corpus = generate(COPY)
+    corpus = synthesize(COPY)
     tokens, distance = corpus.tokens, corpus.distance
     assert set(tokens.tobytes()) <= set(b"abcdefghijklmnopqrstuvwxyz")
     where = np.flatnonzero(distance)
@@ -57,7 +57,7 @@ def test_copy_segments_repeat_the_text_their_distance_back():
 
 
 def test_words_repeat_their_previous_occurrence():
-    corpus = generate(WORDS)
+    corpus = synthesize(WORDS)
     text = corpus.tokens.tobytes().decode()
     assert re.fullmatch(r"[a-z ]+", text)
     # independently: each whole word's letters after the first, and its space, repeat the
@@ -80,7 +80,7 @@ def test_splits_carry_their_distances():
     assert corpus.name == COPY and len(corpus.train) == 18000
     distance = source_distance(COPY, "valid")
     assert len(distance) == len(corpus.valid)
-    assert np.array_equal(distance, generate(COPY).distance[18000:19000])
+    assert np.array_equal(distance, synthesize(COPY).distance[18000:19000])
     with pytest.raises(UserError, match="not a synthetic corpus"):
         source_distance("kjv", "valid")
 

@@ -10,7 +10,7 @@ import torch
 from helpers import tiny_hf
 
 from adaspan.errors import UserError
-from adaspan.hf import add_spans, load_model, load_spans, save_model, span_modules
+from adaspan.hf import add_spans, load_pretrained, load_spans, save_model, span_modules
 
 IDS = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(2))
 
@@ -21,7 +21,7 @@ def test_a_saved_model_loads_with_its_spans(tmp_path, kind):
     for span, row in zip(span_modules(model), [[5, 9, 17, 30], [6, 6, 24, 12]], strict=True):
         span.set_spans(torch.tensor(row, dtype=torch.float32))
     save_model(model, tmp_path)
-    loaded = load_model(tmp_path)
+    loaded = load_pretrained(tmp_path)
     assert loaded.config._attn_implementation == "adaptive_span"
     for a, b in zip(span_modules(model), span_modules(loaded), strict=True):
         assert (a.max_span, a.ramp) == (b.max_span, b.ramp)
@@ -42,11 +42,11 @@ def test_load_spans_onto_the_same_model(tmp_path):
 
 def test_directories_that_do_not_load_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match="cannot load a model") as error:
-        load_model(tmp_path / "missing")
+        load_pretrained(tmp_path / "missing")
     assert "\n" not in str(error.value)
     tiny_hf("llama").save_pretrained(tmp_path)  # a model without spans
     with pytest.raises(UserError, match="no spans") as error:
-        load_model(tmp_path)
+        load_pretrained(tmp_path)
     assert "\n" not in str(error.value)
 
 
@@ -68,3 +68,9 @@ def test_a_model_without_spans_is_refused_where_spans_are_read(tmp_path):
     for call in (lambda: SpanCache(model), lambda: save_spans(model, tmp_path)):
         with pytest.raises(UserError, match="add_spans"):
             call()
+
+
+def test_the_former_name_of_load_pretrained_still_loads():
+    import adaspan.hf
+
+    assert adaspan.hf.load_model is adaspan.hf.load_pretrained

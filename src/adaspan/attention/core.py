@@ -291,7 +291,7 @@ def _fused(q: Tensor, kv: KeysValues, z: Tensor | None, layout: HeadLayout, ramp
     zb = z + shift if z is not None and shift else z
     try:
         keys_values = kv.stacked() if backward else kv.pair()  # a pair: inference, no copy
-        out = fused.band_attention(q, keys_values, table, zb, layout.windows, T - M + shift,
+        out = fused.fused_attention(q, keys_values, table, zb, layout.windows, T - M + shift,
                                    ramp, dropout)
     except fused.ResourcesExceeded as exc:
         _refused.add(q.device)

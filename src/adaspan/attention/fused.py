@@ -344,7 +344,7 @@ class _Band(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def band_attention(q: Tensor, kv: Tensor | tuple[Tensor, Tensor], pos: Tensor,
+def fused_attention(q: Tensor, kv: Tensor | tuple[Tensor, Tensor], pos: Tensor,
                    z: Tensor | None, windows: Tensor, history: int, ramp: int,
                    dropout: float = 0.0) -> Tensor:
     """Eqs. 1-3 of every head over its own window of keys, in one kernel (one more for the

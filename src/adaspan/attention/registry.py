@@ -13,7 +13,8 @@ attention, how to build its span alone (the spans ``attention=persistent`` can t
 Every list of variant names (``ModelConfig.attention``'s choices, the CLI's help, ``adaspan
 compare --methods``, the tests' parametrisation) is read from :data:`ATTENTIONS`. Importing
 :mod:`adaspan` registers the built-in variants; a variant defined elsewhere is available once
-its module is imported.
+its module is imported. This module gives the configuration (a lower layer) the names and
+checks it validates ``attention`` and ``persistent_span`` with (:func:`check_config`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from ..config import register_check, register_choices
+from ..errors import ConfigError
 from .span import FixedSpan, Span
 
 Builder = TypeVar("Builder", bound=Callable[..., nn.Module])
@@ -103,3 +106,33 @@ class VariantNames(Collection):
 
     def __contains__(self, name: object) -> bool:
         return name in self._names()
+
+
+def check_config(config: Any) -> None:
+    """What a ``ModelConfig`` must be for its attention variant: the variant's own checks
+    (their ValueError a ConfigError), room beyond the ramp for learned spans (with S <= R every
+    span ``min(S, z + R)`` is S whatever z), and ``kv_heads`` and rotary positions for the
+    span attentions only."""
+    variant = ATTENTIONS[config.attention]
+    try:
+        if variant.check is not None:
+            variant.check(config)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"attention={config.attention}: {exc}") from None
+    if config.max_span <= config.ramp and variant.span_type(config).learned:
+        raise ConfigError(
+            f"max_span={config.max_span} must be larger than ramp={config.ramp} for "
+            f"attention={config.attention}: every span would be pinned at max_span and "
+            "nothing would adapt; raise max_span or lower ramp")
+    if ((config.position_table == "rotary" or config.key_value_heads != config.n_heads)
+            and variant.span_of is None):
+        raise ConfigError(f"attention={config.attention} has neither kv_heads nor "
+                          "position_table=rotary: they are for the span attentions ("
+                          + ", ".join(VariantNames(lambda v: v.span_of is not None)) + ")")
+
+
+register_choices("attention", ATTENTIONS.keys())
+register_choices("persistent_span", VariantNames(lambda variant: variant.span_of is not None))
+register_check("model", check_config)

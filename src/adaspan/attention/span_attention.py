@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..config import register_choices
 from .cache import KeyValueCache, advance, fit_cache
 from .core import HeadGroup, HeadLayout, KeysValues, choose_backend, head_index, span_attention
 from .fused import KERNELS, keys_values
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # the configuration is handed down; config.py is a later laye
     from ..config import ModelConfig
 
 BACKEND = {"auto": "auto", "grouped": "band", "fused": "fused"}  # kernel -> the core's backend
+register_choices("kernel", KERNELS)
 
 
 class Attention(nn.Module):

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .download import BENCHMARKS, MIN_SPLIT_BYTES, Benchmark, DataError, fetch
-from .synthetic import NAMES, generate, is_synthetic
+from .synthetic import NAMES, is_synthetic, synthesize
 
 VOCAB_SIZE = 256
 DEFAULT_CORPUS = "kjv"
@@ -116,7 +116,7 @@ def load_corpus(
     if isinstance(spec, str) and spec in BENCHMARKS:
         return _load_benchmark(BENCHMARKS[spec], data_dir, split, progress)
     if is_synthetic(spec):
-        return _split_corpus(spec, generate(spec).tokens, split)
+        return _split_corpus(spec, synthesize(spec).tokens, split)
     path = Path(spec).expanduser()
     if path.is_dir():
         if split is not None:
@@ -138,7 +138,7 @@ def source_distance(spec: str, split_name: str,
     if not is_synthetic(spec):
         raise DataError(f"{spec!r} is not a synthetic corpus: only those know which "
                         "characters need long context")
-    return _split_corpus(spec, generate(spec).distance, split).split(split_name)
+    return _split_corpus(spec, synthesize(spec).distance, split).split(split_name)
 
 
 def _load_benchmark(

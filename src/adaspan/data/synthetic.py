@@ -101,7 +101,7 @@ def _check(spec: str, kind: str, p: dict[str, float]) -> None:
             raise SyntheticSpecError(f"{spec!r}: {key} must be {what}, got {p[key]:g}")
 
 
-def generate(spec: str) -> Synthetic:
+def synthesize(spec: str) -> Synthetic:
     """The text of ``spec`` and its distances (deterministic in the spec)."""
     kind, p = parse(spec)
     rng = np.random.default_rng(int(p["seed"]))

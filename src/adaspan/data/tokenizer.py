@@ -34,7 +34,8 @@ import numpy as np
 import tokenizers as hf
 from tqdm.auto import tqdm
 
-from ..errors import UserError, one_line
+from ..config import register_check, register_choices
+from ..errors import UserError, one_line, require
 from .files import atomic_write
 
 EOS, UNK = "<eos>", "<unk>"  # end of line and unknown word (the authors' words convention)
@@ -73,6 +74,17 @@ def register(cls: type[Tokenizer]) -> type[Tokenizer]:
     """Class decorator: make ``cls`` known by ``cls.name``."""
     TOKENIZERS[cls.name] = cls
     return cls
+
+
+def check_config(config: Any) -> None:
+    """A ``TrainConfig``'s ``tokenizer_file`` is for a tokenizer that learns its vocabulary."""
+    require("tokenizer_file", config.tokenizer_file,
+            lambda v: v is None or TOKENIZERS[config.tokenizer].learned,
+            f"None for tokenizer={config.tokenizer}, which learns nothing")
+
+
+register_choices("tokenizer", TOKENIZERS.keys())
+register_check("train", check_config)
 
 
 class Tokenizer(ABC):

@@ -3,12 +3,14 @@
 
 ``add_spans`` attaches an adaptive span to every attention layer of a model whose attention
 goes through ``AttentionInterface`` (Llama, Mistral, Qwen2, Qwen3, GPT-2, ...) and switches it
-to the ``adaptive_span`` attention (``attention``); ``save_model``/``load_model``
-(``spans``); ``span_loss`` and ``clamp_spans`` (of ``attention.span``); ``SpanCache``, a
-key/value cache for ``generate`` that keeps only the keys each layer's heads can see
-(``cache``).
+to the ``adaptive_span`` attention (``attention``); ``save_model``/``load_pretrained``
+(``spans``; ``load_model``, its former name, still works); ``span_loss`` and ``clamp_spans``
+(of ``attention.span``); ``SpanCache``, a key/value cache for ``generate`` that keeps only the
+keys each layer's heads can see (``span_cache``). ``adaspan retrofit`` is here too: the spans of
+a frozen model trained alone (``retrofit``) and its report (``report``).
 
-Imports ``attention`` and ``errors``, and ``transformers``.
+The Hugging Face feature sits above the rest of the package (it reads ``attention``,
+``data``, ``training``'s runtime and ``measure``'s tables) and needs ``transformers``.
 """
 
 from ..errors import UserError
@@ -20,11 +22,14 @@ except ImportError:
 
 from ..attention.span import clamp_spans, span_loss
 from .attention import NAME, register, span_modules
-from .cache import SpanCache, SpanLayer, head_windows, kv_bytes, windows
-from .spans import add_spans, load_model, load_spans, save_model, save_spans
+from .span_cache import SpanCache, SpanLayer, head_windows, kv_bytes, windows
+from .spans import add_spans, load_pretrained, load_spans, save_model, save_spans
+
+load_model = load_pretrained  # its name before 0.13
 
 register()
 
 __all__ = ["NAME", "SpanCache", "SpanLayer", "add_spans", "clamp_spans", "head_windows",
-           "kv_bytes", "load_model", "load_spans", "save_model", "save_spans", "span_loss",
+           "kv_bytes", "load_model", "load_pretrained", "load_spans", "save_model", "save_spans",
+           "span_loss",
            "span_modules", "windows"]

@@ -47,7 +47,7 @@ def attached_spans(model: nn.Module) -> list[AdaptiveSpan]:
     return spans
 
 
-def adaptive_span_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                             attention_mask: Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
     """``AttentionInterface`` function: query (B, Hq, M, d), key and value (B, Hkv, T, d);
@@ -60,7 +60,7 @@ def adaptive_span_attention(module: nn.Module, query: Tensor, key: Tensor, value
     span = span_of(module)
     if span is None:
         raise UserError(f"{type(module).__name__} has no span: attach them with "
-                        "adaspan.hf.add_spans(model) (or load with adaspan.hf.load_model)")
+                        "adaspan.hf.add_spans(model) (or load with adaspan.hf.load_pretrained)")
     if attention_mask is not None:
         raise UserError("adaptive_span attention takes no prepared attention mask (a 4D mask "
                         "was given): pass a 2D mask of ones, or none")
@@ -101,7 +101,7 @@ def adaptive_span_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
 
 def register() -> None:
     """Register ``"adaptive_span"`` with transformers' attention and mask interfaces."""
-    AttentionInterface.register(NAME, adaptive_span_attention)
+    AttentionInterface.register(NAME, attention_function)
     AttentionMaskInterface.register(NAME, adaptive_span_mask)
 
 

@@ -123,7 +123,7 @@ def load_spans(model: nn.Module, directory: str | Path) -> nn.Module:
     return model
 
 
-def load_model(directory: str | Path, **from_pretrained: object) -> nn.Module:
+def load_pretrained(directory: str | Path, **from_pretrained: object) -> nn.Module:
     """The causal LM saved in ``directory`` (:func:`save_model`) with its spans attached;
     keyword arguments go to ``AutoModelForCausalLM.from_pretrained``."""
     from transformers import AutoModelForCausalLM

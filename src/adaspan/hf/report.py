@@ -28,9 +28,11 @@ from torch import Tensor, nn
 
 from ..data.corpora import load_corpus
 from ..data.files import atomic_write
+from ..measure.tables import span_table
 from ..training.precision import Precision
-from ..training.retrofit import Retrofit, encode, full_attention
-from .tables import span_table
+from .attention import span_modules
+from .retrofit import Retrofit, encode, full_attention
+from .span_cache import SpanCache, kv_bytes
 
 REPORT_FILE = "retrofit.json"
 TABLE_FILE = "retrofit.md"
@@ -97,8 +99,6 @@ def caches(run: Retrofit, prompt: Tensor, new_tokens: int, rounds: int) -> dict:
     span cache alternated ``rounds`` times."""
     from transformers import DynamicCache
 
-    from ..hf import SpanCache, kv_bytes
-
     model, seconds = run.model, {"full": [], "spans": []}
     for _ in range(rounds):
         with full_attention(model, run.original):
@@ -113,12 +113,11 @@ def caches(run: Retrofit, prompt: Tensor, new_tokens: int, rounds: int) -> dict:
             "tokens_per_s": speed}
 
 
-def measure(run: Retrofit, precision: Precision, eval_bytes: int = 65536,
+def measure_retrofit(run: Retrofit, precision: Precision, eval_bytes: int = 65536,
             new_tokens: int = 64, rounds: int = 3,
             timing: AbstractContextManager | None = None) -> dict:
     """The report's numbers (see the module docstring); the decode timings run within
     ``timing`` (a lock that keeps other benchmarks out, say)."""
-    from ..hf import span_modules
 
     ids, n_bytes = heldout(run, eval_bytes)
     ids = ids.to(precision.device)

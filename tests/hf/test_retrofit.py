@@ -17,12 +17,13 @@ from transformers import (
 )
 
 from adaspan.cli import main
+from adaspan.config import RetrofitConfig
 from adaspan.data.corpora import load_corpus
-from adaspan.hf import load_model, span_modules
-from adaspan.measure.retrofit_report import REPORT_FILE, measure
+from adaspan.hf import load_pretrained, span_modules
+from adaspan.hf.report import REPORT_FILE, measure_retrofit
+from adaspan.hf.retrofit import Retrofit, retrofit
 from adaspan.training.lock import RunLockedError, WriterLock
 from adaspan.training.precision import choose
-from adaspan.training.retrofit import Retrofit, RetrofitConfig, retrofit
 from tests.helpers import load_script
 
 FP32 = choose("float32", torch.device("cpu"))
@@ -61,11 +62,11 @@ def test_spans_shrink_and_weights_stay(model_dir, tmp_path):
     spans = torch.stack([span.spans() for span in span_modules(run.model)])
     assert (spans < CONTEXT).all()  # from S = 64: the penalty shrank every head
     before = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    after = load_model(tmp_path / "out").state_dict()
+    after = load_pretrained(tmp_path / "out").state_dict()
     assert set(before) <= set(after)  # and the spans
     for name in before:
         assert torch.equal(before[name], after[name]), name
-    saved = [span.spans() for span in span_modules(load_model(tmp_path / "out"))]
+    saved = [span.spans() for span in span_modules(load_pretrained(tmp_path / "out"))]
     assert torch.equal(torch.stack(saved), spans)
 
 
@@ -98,8 +99,8 @@ def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monke
 
 def test_report_numbers_against_direct_computation(model_dir, tmp_path):
     run = retrofit(options(model_dir, tmp_path / "out"), FP32, progress=False)
-    report = measure(run, choose("float32", torch.device("cpu"), "score"), eval_bytes=CONTEXT,
-                     new_tokens=4, rounds=1)
+    report = measure_retrofit(run, choose("float32", torch.device("cpu"), "score"),
+                              eval_bytes=CONTEXT, new_tokens=4, rounds=1)
     # one window of 64 byte tokens: the model's own loss over its 63 predictions
     text = bytes(load_corpus("kjv").valid[:CONTEXT])
     ids = AutoTokenizer.from_pretrained(model_dir)(text.decode(), add_special_tokens=False)

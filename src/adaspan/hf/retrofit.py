@@ -15,7 +15,6 @@ a run resumed from its checkpoint continues bit for bit.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
@@ -27,60 +26,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..attention.span import clamp_spans, span_loss
+from ..config import RetrofitConfig
 from ..data.corpora import load_corpus
 from ..data.files import atomic_write, load_pickled_tensors
 from ..errors import ConfigError, UserError, one_line
-from .distributed import Distributed
-from .lock import hold
-from .precision import Precision
+from ..training.distributed import Distributed
+from ..training.lock import hold
+from ..training.precision import Precision
+from .attention import span_modules
+from .spans import add_spans, save_model
 
 STATE_FILE = "retrofit_state.pt"  # the step, z' of every layer, the optimiser
 SETTINGS_FILE = "retrofit_settings.json"  # the RetrofitConfig of the run
-LOSSES = ("distill", "lm", "both")
 TRAIN_BYTES_PER_TOKEN = 8  # text read for training: this many bytes per token a run can use
 
 
 class RetrofitError(UserError):
     """A retrofit's output directory that cannot be used as asked."""
-
-
-@dataclass(frozen=True)
-class RetrofitConfig:
-    """The options of a retrofit (``adaspan retrofit --help`` gives their meaning)."""
-
-    model_dir: str
-    data: str
-    out: str
-    max_span: int | None = None  # S; None: the context
-    ramp: int = 32
-    context: int = 1024
-    steps: int = 200
-    batch_size: int = 4
-    lr: float = 0.02
-    span_loss: float = 2e-5
-    loss: str = "distill"
-    seed: int = 0
-    checkpoint_interval: int = 50
-
-    def __post_init__(self) -> None:
-        positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.max_span is not None and not 1 <= self.max_span <= self.context:
-            raise ConfigError(f"max_span must lie in [1, context={self.context}], "
-                              f"got {self.max_span}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError(f"lr must be a number > 0, got {self.lr}")
-        if not (self.span_loss >= 0 and math.isfinite(self.span_loss)):
-            raise ConfigError(f"span_loss must be a number >= 0, got {self.span_loss}")
-        if self.loss not in LOSSES:
-            raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-
-    @property
-    def span_limit(self) -> int:
-        """S: ``max_span``, or the context where it is not given."""
-        return self.max_span or self.context
 
 
 def load_frozen(model_dir: str) -> tuple[nn.Module, object]:
@@ -140,7 +103,6 @@ def span_losses(model: nn.Module, original: str, x: Tensor, config: RetrofitConf
                 ) -> dict[str, Tensor]:
     """The terms of the loss on windows ``x``: ``kl`` (nats per token, teacher = the frozen
     model's own attention), ``nll`` (nats per predicted token), ``penalty`` (lambda/M sum z)."""
-    from ..hf import span_loss
 
     losses = {}
     if config.loss in ("distill", "both"):
@@ -159,7 +121,6 @@ def span_losses(model: nn.Module, original: str, x: Tensor, config: RetrofitConf
 
 def span_parameters(model: nn.Module) -> list[nn.Parameter]:
     """z' of every layer, in layer order: the only trained tensors."""
-    from ..hf import span_modules
 
     return [span.z_frac for span in span_modules(model)]
 
@@ -198,7 +159,6 @@ class Retrofit:
 
     def train_step(self, precision: Precision) -> dict[str, float]:
         """One optimiser step of z' (then z' clamped to [0, 1]); the loss terms."""
-        from ..hf import clamp_spans
 
         x = window_batch(self.tokens, self.config, self.step).to(precision.device)
         with precision.applied():
@@ -264,7 +224,6 @@ def _check_out(out: Path, config: RetrofitConfig, resume: bool) -> None:
 def prepare(config: RetrofitConfig, resume: bool, device: torch.device) -> Retrofit:
     """The model frozen on ``device`` with its spans attached (z' = 1), the tokens, the
     optimiser; on ``resume``, restored from the checkpoint."""
-    from ..hf import add_spans
 
     model, tokenizer = load_frozen(config.model_dir)
     model.to(device)
@@ -282,7 +241,6 @@ def retrofit(config: RetrofitConfig, precision: Precision, resume: bool = False,
              progress: bool = True) -> Retrofit:
     """Train the spans of ``config.model_dir`` (every check before anything is written;
     one writer of ``config.out``); writes the model with its spans and the tokenizer there."""
-    from ..hf import save_model
 
     out = Path(config.out)
     _check_out(out, config, resume)
