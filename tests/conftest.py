@@ -15,7 +15,7 @@ from adaspan.attention.span import FixedSpan
 from adaspan.attention.span_attention import Attention
 from adaspan.config import ModelConfig
 from adaspan.data.corpora import load_corpus
-from adaspan.training import precision
+from adaspan.runtime import precision
 
 torch.set_num_threads(1)
 if not torch.cuda.is_available():  # the fused kernel runs in Triton's interpreter: chosen

@@ -14,7 +14,7 @@ PACKAGE = Path(adaspan.__file__).parent
 # The parts in order: a folder, or a module at the top of the package. A module imports only
 # modules of its own part or of earlier ones.
 PARTS = ["_version", "errors", "config", "attention", "model", "data", "presets", "resolve",
-         "training", "measure", "hf", "cli", "__init__"]
+         "runtime", "training", "measure", "experiments", "hf", "cli", "__init__"]
 
 # Layer of every module, lowest first (the table of docs/architecture.md).
 LAYERS = {
@@ -34,7 +34,8 @@ LAYERS = {
     "data/corpora": 12, "data/tokenizer": 12, "data/__init__": 12,
     "presets": 13,
     "resolve": 15,
-    "training/precision": 16, "training/distributed": 16, "training/metrics": 16,
+    "runtime/precision": 16, "runtime/distributed": 16, "runtime/__init__": 16,
+    "training/metrics": 16,
     "training/optim": 16, "training/watch": 16,
     "training/recorder": 17, "training/memory": 17, "training/evaluate": 17,
     "training/lock": 17,
@@ -45,7 +46,8 @@ LAYERS = {
     "measure/plots": 22, "measure/tables": 22, "measure/generate": 22, "measure/bench": 22,
     "measure/page": 23,
     "measure/report": 24,
-    "measure/compare": 25, "measure/demo": 25, "measure/__init__": 25,
+    "measure/__init__": 24,
+    "experiments/compare": 25, "experiments/demo": 25, "experiments/__init__": 25,
     "hf/attention": 26,
     "hf/span_cache": 27, "hf/spans": 27,
     "hf/retrofit": 28,

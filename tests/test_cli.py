@@ -301,7 +301,7 @@ def test_threads_of_train_and_compare_go_to_the_train_config(monkeypatch, tmp_pa
     seen = []
     monkeypatch.setattr(importlib.import_module("adaspan.training.train"), "train",
                         lambda model, config, *a, **k: seen.append(config.threads) or {})
-    monkeypatch.setattr(importlib.import_module("adaspan.measure.compare"), "compare",
+    monkeypatch.setattr(importlib.import_module("adaspan.experiments.compare"), "compare",
                         lambda methods, model, config, *a, **k: seen.append(config.threads) or [])
     assert main(["train", "--preset", "demo", "--threads", "1", "--run-dir", str(tmp_path)]) == 0
     assert main(["train", "--preset", "demo", "threads=2", "--run-dir", str(tmp_path)]) == 0

@@ -44,7 +44,7 @@ from adaspan.config import ModelConfig, TrainConfig
 from adaspan.measure.bench import build_bench_model, seconds, training_step
 from adaspan.model.analysis import flops_per_char
 from adaspan.resolve import resolve_config
-from adaspan.training.precision import choose
+from adaspan.runtime.precision import choose
 
 RACE = ModelConfig(vocab_size=256, d_model=256, n_heads=4, n_layers=4, d_inner=1024,
                    max_span=1024, ramp=32, dropout=0.0)

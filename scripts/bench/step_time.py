@@ -20,7 +20,7 @@ import torch
 
 from adaspan.config import ModelConfig
 from adaspan.measure.bench import build_bench_model, training_step
-from adaspan.training.precision import choose
+from adaspan.runtime.precision import choose
 
 RACE = ModelConfig(n_layers=4, d_model=256, n_heads=4, d_inner=1024, max_span=1024, ramp=32,
                    dropout=0.0, vocab_size=256)

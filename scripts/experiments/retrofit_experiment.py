@@ -27,7 +27,7 @@ from adaspan.config import RetrofitConfig
 from adaspan.data.corpora import resolve_data
 from adaspan.hf.report import measure_retrofit, write
 from adaspan.hf.retrofit import STATE_FILE, retrofit
-from adaspan.training.precision import choose
+from adaspan.runtime.precision import choose
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

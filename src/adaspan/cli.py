@@ -74,7 +74,7 @@ def _set_up(args: argparse.Namespace) -> None:
     """Torch's CPU threads (``--threads``) and the device (``--device``, resolved in place) of
     the commands that have those options; those of train (and compare's threads) are train
     options (``train.threads``), set by the training run."""
-    from .training.distributed import resolve_device, use_threads
+    from .runtime.distributed import resolve_device, use_threads
 
     if "threads" in args:
         use_threads(args.threads)
@@ -84,7 +84,7 @@ def _set_up(args: argparse.Namespace) -> None:
 
 def _is_main_process() -> bool:
     """False in the processes of a torchrun job other than rank 0 (one message, not one each)."""
-    from .training.distributed import Distributed
+    from .runtime.distributed import Distributed
 
     return Distributed.from_env().is_main
 
@@ -347,8 +347,8 @@ def _generate(args: argparse.Namespace) -> int:
     """Sample text from a trained model.
 
     Print the prompt, then each character as it is sampled."""
+    from .runtime.precision import choose
     from .training.checkpoint import load_model
-    from .training.precision import choose
     from .training.tokens import run_codec
 
     codec = run_codec(args.run_dir)
@@ -581,7 +581,7 @@ def _add_demo(commands) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     """Train a small model on the bundled corpus for a few minutes, then report."""
-    from .measure.demo import run_demo
+    from .experiments.demo import run_demo
 
     run_demo(args.minutes, args.run_dir, progress=not args.no_progress)
     return 0
@@ -621,7 +621,7 @@ def _compare(args: argparse.Namespace) -> int:
     OUT/compare_curves.png and OUT/compare.html. With --max-spans, each method is trained with
     every span limit, and bpc, FLOPs per character, memory and speed are drawn against it
     (OUT/compare_max_spans.png). Re-running with the same --out reuses the finished runs."""
-    from .measure.compare import MARKDOWN_FILE, compare
+    from .experiments.compare import MARKDOWN_FILE, compare
     from .resolve import resolve_config
     from .training.checkpoint import new_run_dir
 
@@ -734,7 +734,7 @@ def _retrofit(args: argparse.Namespace) -> int:
     from .data.corpora import resolve_data
     from .hf.report import markdown, measure_retrofit, write
     from .hf.retrofit import retrofit
-    from .training.precision import choose
+    from .runtime.precision import choose
 
     config = RetrofitConfig(
         str(args.model_dir.resolve()), resolve_data(args.data), str(args.out.resolve()),

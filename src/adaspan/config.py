@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from .errors import ConfigError, require
 
-DTYPES = ("auto", "float32", "bfloat16")  # what --dtype accepts (training.precision reads them)
+DTYPES = ("auto", "float32", "bfloat16")  # what --dtype accepts (runtime.precision reads them)
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # what --device accepts
 
 TRUNCATIONS = ("head", "layer", "none")

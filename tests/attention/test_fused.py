@@ -17,7 +17,7 @@ from helpers import span_attention, span_variants, tiny
 from reference import gradients_against_reference, reference_attention, run_blocks
 
 from adaspan.attention import core, fused, use_kernel
-from adaspan.training.precision import choose
+from adaspan.runtime.precision import choose
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="needs Triton (adaspan[cuda])")
 SPAN_VARIANTS = span_variants()

@@ -11,7 +11,7 @@ from adaspan.measure import bench
 from adaspan.measure.bench import build_bench_model
 from adaspan.model.analysis import flops_per_char
 from adaspan.model.lm import SpanLM
-from adaspan.training import precision
+from adaspan.runtime import precision
 from adaspan.training.memory import training_estimate
 
 FIELDS = {"attention", "max_span", "spans", "avg_span", "batch_size", "block_size",

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from adaspan import ModelConfig, SpanLM, TrainConfig, train
 from adaspan.cli import main
+from adaspan.runtime.precision import choose
 from adaspan.training.checkpoint import (
     LEGACY_STATE_FILE,
     STATE_FILE,
@@ -32,7 +33,6 @@ from adaspan.training.checkpoint import (
 )
 from adaspan.training.memory import estimate_training_memory, profiled_peak
 from adaspan.training.optim import build_optimizer, build_scheduler
-from adaspan.training.precision import choose
 from adaspan.training.train import train_step
 
 MODEL = TRAIN_MODEL

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from ..data.corpora import load_corpus
 from ..data.files import atomic_write
 from ..measure.tables import span_table
-from ..training.precision import Precision
+from ..runtime.precision import Precision
 from .attention import span_modules
 from .retrofit import Retrofit, encode, full_attention
 from .span_cache import SpanCache, kv_bytes

@@ -1,6 +1,7 @@
 """What users look at: sampling (``generate``), speed and memory (``bench``), a run's report
-and several runs compared (``report``, ``compare``, with their pages, figures and tables:
-``page``, ``plots``, ``tables``) and the demo (``demo``).
+(``report``) and the pages, figures and tables of reports and comparisons (``page``, ``plots``,
+``tables``).
 
-Imports every part below it: ``attention``, ``model``, ``data``, ``config``, ``training``.
+Imports every part below it: ``attention``, ``model``, ``data``, ``config``, ``runtime``,
+``training``.
 """

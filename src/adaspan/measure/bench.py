@@ -7,7 +7,7 @@ keys are recomputed with the current weights); evaluation and generation carry k
 (:class:`adaspan.attention.cache.KeyValueCache`). ``flops_per_char`` is the paper's convention
 (multiply-adds, :func:`adaspan.model.analysis.flops_per_char`); the GFLOP/s figures count 2
 FLOPs per multiply-add, and a training step as 3 forward passes. Each part runs in the precision
-its command would (:func:`adaspan.training.precision.choose` of ``dtype`` for the jobs train,
+its command would (:func:`adaspan.runtime.precision.choose` of ``dtype`` for the jobs train,
 score and generate), reported as ``train_precision``, ``eval_precision`` and
 ``generate_precision``;
 ``compile_s`` the seconds of compiling and a first step with ``compile`` (else None);
@@ -35,7 +35,7 @@ from ..config import ConfigError, ModelConfig, TrainConfig
 from ..model.analysis import effective_spans, flops_per_char
 from ..model.decode import decoder
 from ..model.lm import SpanLM
-from ..training import precision
+from ..runtime import precision
 from ..training.memory import training_estimate
 from ..training.optim import build_optimizer, build_scheduler, fused_where_offered
 from ..training.train import train_step

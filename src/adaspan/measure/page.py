@@ -2,7 +2,7 @@
 
 A page is sections of figures and tables. Figures are PNG images embedded as base64, so a page
 needs no network and no other file. The numbers come from :mod:`adaspan.measure.report` and
-:mod:`adaspan.measure.compare`: nothing here builds a model or measures anything.
+:mod:`adaspan.experiments.compare`: nothing here builds a model or measures anything.
 """
 
 from __future__ import annotations

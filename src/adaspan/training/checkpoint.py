@@ -58,7 +58,7 @@ from ..data.corpora import resolve_data
 from ..data.files import TEMP_SUFFIX, atomic_write, existing_ancestor, load_pickled_tensors
 from ..errors import UserError, one_line
 from ..model.lm import SpanLM
-from .distributed import Distributed
+from ..runtime.distributed import Distributed
 from .lock import WRITER_FILE, WriterLock, hold
 from .metrics import MetricsLog
 

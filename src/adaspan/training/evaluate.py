@@ -23,8 +23,8 @@ from ..config import ConfigError
 from ..data.corpora import BlockStream
 from ..model.analysis import effective_spans
 from ..model.lm import SpanLM
-from .distributed import Distributed
-from .precision import Precision, choose
+from ..runtime.distributed import Distributed
+from ..runtime.precision import Precision, choose
 
 
 def evaluate(
@@ -46,7 +46,7 @@ def evaluate(
     ``max_chars`` scores only the first ``max_chars`` tokens (a prefix cut into the
     ``batch_size`` streams, rounded down to a multiple of it): a quick estimate for
     validation. The model runs on ``device`` (default: where it is) in eval mode, no grad.
-    ``dtype``: a :class:`~adaspan.training.precision.Precision`, or auto (fp32, TF32 off), float32
+    ``dtype``: a :class:`~adaspan.runtime.precision.Precision`, or auto (fp32, TF32 off), float32
     or bfloat16 as a scoring job chooses them. Nothing waits for the device but the upload of
     each block. ``ends``: where each token ends in the text (None: the tokens are bytes);
     ``unk``: the id of ``<unk>`` where the tokens have one. Returns :func:`scores` (``bpc``:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ..errors import UserError
-from .distributed import Distributed
+from ..runtime.distributed import Distributed
 
 WRITER_FILE = ".writer"  # in the run directory while a writer holds it: its process id
 

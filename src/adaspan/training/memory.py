@@ -27,8 +27,8 @@ from ..attention.cache import HEADROOM
 from ..config import TrainConfig
 from ..errors import UserError
 from ..model.lm import SpanLM
-from .distributed import Distributed
-from .precision import Precision, choose
+from ..runtime.distributed import Distributed
+from ..runtime.precision import Precision, choose
 
 GB = 2**30
 OPTIMIZER_STATES = {"adagrad": 1, "adamw": 2}  # tensors of parameter size kept per parameter

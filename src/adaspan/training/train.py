@@ -37,13 +37,13 @@ from ..config import ConfigError, ModelConfig, TrainConfig
 from ..data.corpora import BlockStream, load_corpus
 from ..errors import UserError, disk_full
 from ..model.lm import SpanLM
+from ..runtime.distributed import Distributed, resolve_device, use_threads
+from ..runtime.precision import Precision, choose
 from .checkpoint import RunComplete, RunDir, TrainingState, stored_form
 from .disk import DiskFullError, check_disk_space, disk_full_error
-from .distributed import Distributed, resolve_device, use_threads
 from .evaluate import evaluate
 from .memory import MemoryPlan, MemoryWatch, check_training_memory, memory_available
 from .optim import build_optimizer, build_scheduler, lr_factor, set_lr, step_with_tensor_clip
-from .precision import Precision, choose
 from .recorder import Recorder
 from .tokens import (
     TokenCorpus,
@@ -74,7 +74,7 @@ def train_step(
     each slice's loss is divided by the number of slices, so the accumulated gradient is the
     gradient of the whole batch. ``net`` is ``model`` wrapped for distributed training.
     The products run in ``precision``, by default the training precision of ``config.dtype``
-    (:func:`adaspan.training.precision.choose`). Nothing here waits for the device but reading the
+    (:func:`adaspan.runtime.precision.choose`). Nothing here waits for the device but reading the
     spans once, when they changed.
     """
     net = net if net is not None else model
@@ -126,7 +126,7 @@ def train(
     :func:`span_warnings` seen at logged steps after the warm-up. Returns a summary: ``steps``,
     ``train_bpc``, ``valid_bpc``, ``chars_per_s``, ``avg_span``, ``max_span``, ``spans``,
     ``elapsed``, ``stopped`` ("completed" or "time_budget") and ``precision`` (what the
-    products ran in, :meth:`adaspan.training.precision.Precision.record`; validation's too).
+    products ran in, :meth:`adaspan.runtime.precision.Precision.record`; validation's too).
     """
     dist = Distributed.from_env()
     train_config = stored_form(train_config)

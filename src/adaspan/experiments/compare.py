@@ -29,18 +29,18 @@ from ..config import ConfigError, ModelConfig, TrainConfig
 from ..data.files import atomic_write
 from ..data.tokenizer import TOKENIZERS
 from ..errors import UserError
+from ..measure.page import Column, compare_page
+from ..measure.plots import PlotError, compare_figure, png_bytes, require_plots, span_limit_figure
+from ..measure.report import run_events
 from ..model.analysis import effective_spans, flops_per_char, span_summary
 from ..model.lm import SpanLM
+from ..runtime.distributed import resolve_device
+from ..runtime.precision import choose
 from ..training.checkpoint import RunDir, RunDirError, load_model, stored_form
-from ..training.distributed import resolve_device
 from ..training.evaluate import evaluate
 from ..training.memory import training_estimate
-from ..training.precision import choose
 from ..training.tokens import run_split
 from ..training.train import train
-from .page import Column, compare_page
-from .plots import PlotError, compare_figure, png_bytes, require_plots, span_limit_figure
-from .report import run_events
 
 SUMMARY_FILE = "train_summary.json"  # written into a method's run directory once trained
 EVALUATION_FILE = "compare_eval.json"  # and what its evaluation measured

@@ -16,7 +16,7 @@ import pytest
 from adaspan.attention.registry import ATTENTIONS
 from adaspan.cli import main
 from adaspan.config import ConfigError
-from adaspan.measure.compare import (
+from adaspan.experiments.compare import (
     COLUMNS,
     COMPARE_FIGURE,
     COMPARE_PAGE,
@@ -172,7 +172,7 @@ def test_unknown_or_repeated_method_is_refused_before_training(tmp_path):
 def test_finished_runs_are_reused(compared, tmp_path, monkeypatch):
     out, rows = compared
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
-    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.experiments.compare.train", _no_training)
     reused = _compare(tmp_path, evaluate_test=False)
     assert reused == [{k: v for k, v in row.items() if k != "test_bpc"} for row in rows]
 
@@ -181,8 +181,9 @@ def test_rerun_with_fewer_methods_keeps_the_rows_of_the_finished_ones(compared, 
                                                                     monkeypatch):
     out, rows = compared
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
-    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
-    monkeypatch.setattr("adaspan.measure.compare.evaluate", _no_training)  # their bpc is read back
+    monkeypatch.setattr("adaspan.experiments.compare.train", _no_training)
+    # their bpc is read back
+    monkeypatch.setattr("adaspan.experiments.compare.evaluate", _no_training)
     assert _compare(tmp_path, ["xl"]) == [rows[2], rows[0], rows[1]]  # then registry order
     table = [line for line in (tmp_path / MARKDOWN_FILE).read_text().splitlines()
              if line.startswith("|")]
@@ -195,14 +196,14 @@ def test_finished_runs_are_reused_with_other_threads(compared, tmp_path, monkeyp
     """threads change the speed, not what a run learns."""
     out, rows = compared
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
-    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.experiments.compare.train", _no_training)
     assert _compare(tmp_path, extra=["threads=1"]) == rows
 
 
 def test_run_with_other_settings_is_not_reused(compared, tmp_path, monkeypatch):
     out, _ = compared
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
-    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.experiments.compare.train", _no_training)
     with pytest.raises(RunDirError, match="delete it to train fixed again"):
         _compare(tmp_path, extra=["steps=3"])
 
@@ -238,7 +239,7 @@ def test_runs_of_a_relative_corpus_path_are_reused(tmp_path, monkeypatch, corpus
     shutil.copy(corpus_file, tmp_path / "text.txt")
     first = _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"],
                      evaluate_test=False)
-    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.experiments.compare.train", _no_training)
     messages = []
     again = _compare(tmp_path / "out", methods=["fixed"], extra=["data=text.txt"],
                      evaluate_test=False, log=messages.append)
@@ -285,7 +286,7 @@ def test_span_limit_figure_is_drawn_and_embedded(against_limits):
 def test_span_limit_runs_are_reused(against_limits, tmp_path, monkeypatch):
     out, rows = against_limits
     shutil.copytree(out, tmp_path / "again")
-    monkeypatch.setattr("adaspan.measure.compare.train", _no_training)
+    monkeypatch.setattr("adaspan.experiments.compare.train", _no_training)
     again = _compare(tmp_path / "again", ["fixed", "adaptive"],
                      max_spans=[64, 128], evaluate_test=False)
     assert again == rows

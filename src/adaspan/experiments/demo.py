@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from ..data.corpora import load_corpus
+from ..measure.generate import generate
+from ..measure.tables import span_table
 from ..resolve import resolve_config
 from ..training.checkpoint import load_model, new_run_dir
 from ..training.evaluate import evaluate
 from ..training.train import train
-from .generate import generate
-from .tables import span_table
 
 PROMPT = b"And God said"
 

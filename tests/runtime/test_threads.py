@@ -9,7 +9,7 @@ from helpers import TRAIN_MODEL, tiny_train_config
 
 from adaspan import TrainConfig, train
 from adaspan.config import ConfigError
-from adaspan.training.distributed import use_threads
+from adaspan.runtime.distributed import use_threads
 
 
 @pytest.fixture(autouse=True)

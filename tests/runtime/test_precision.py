@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from adaspan.config import TrainConfig
-from adaspan.training import precision
+from adaspan.runtime import precision
 
 CPU = torch.device("cpu")
 
