@@ -1,3 +1,3 @@
 """The package version (single source: pyproject reads it from here)."""
 
-__version__ = "0.12.0"
+__version__ = "0.13.0"
