@@ -13,7 +13,7 @@ from adaspan import ModelConfig, SpanLM, TrainConfig, train
 from adaspan.attention.registry import ATTENTIONS
 from adaspan.attention.span import AdaptiveSpan, DynamicSpan
 from adaspan.attention.span_attention import SpanAttention
-from adaspan.training.checkpoint import load_model
+from adaspan.run.checkpoint import load_model
 
 # Spans (in tokens) given to adaptive heads by tiny(): per layer and head, capped at max_span.
 TINY_SPANS = [[10.0, 20.0, 40.0, 64.0], [8.0, 9.0, 33.0, 17.5]]

@@ -14,7 +14,7 @@ PACKAGE = Path(adaspan.__file__).parent
 # The parts in order: a folder, or a module at the top of the package. A module imports only
 # modules of its own part or of earlier ones.
 PARTS = ["_version", "errors", "config", "attention", "model", "data", "presets", "resolve",
-         "runtime", "training", "measure", "experiments", "hf", "cli", "__init__"]
+         "runtime", "run", "training", "measure", "experiments", "hf", "cli", "__init__"]
 
 # Layer of every module, lowest first (the table of docs/architecture.md).
 LAYERS = {
@@ -32,16 +32,14 @@ LAYERS = {
     "model/decode": 7, "model/__init__": 7,
     "data/files": 11, "data/download": 11, "data/synthetic": 11,
     "data/corpora": 12, "data/tokenizer": 12, "data/__init__": 12,
+    "data/authors_format": 12.5,
     "presets": 13,
     "resolve": 15,
     "runtime/precision": 16, "runtime/distributed": 16, "runtime/__init__": 16,
-    "training/metrics": 16,
-    "training/optim": 16, "training/watch": 16,
-    "training/recorder": 17, "training/memory": 17, "training/evaluate": 17,
-    "training/lock": 17,
-    "training/checkpoint": 18,
-    "training/official": 19, "training/disk": 19,
-    "training/tokens": 20,
+    "run/metrics": 17, "run/lock": 17, "run/checkpoint": 18,
+    "run/disk": 19, "run/tokens": 19, "run/__init__": 19,
+    "training/optim": 20, "training/watch": 20, "training/official": 20,
+    "training/recorder": 20.5, "training/memory": 20.5, "training/evaluate": 20.5,
     "training/train": 21, "training/__init__": 21,
     "measure/plots": 22, "measure/tables": 22, "measure/generate": 22, "measure/bench": 22,
     "measure/page": 23,

@@ -20,7 +20,7 @@ from adaspan.attention.registry import ATTENTIONS
 from adaspan.cli import main
 from adaspan.config import SECTIONS, ConfigError
 from adaspan.measure.generate import generate, stream
-from adaspan.training.checkpoint import load_model
+from adaspan.run.checkpoint import load_model
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
         "block_size=16", "eval_chars=256", "eval_interval=2", "log_interval=1",

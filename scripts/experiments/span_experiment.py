@@ -20,9 +20,9 @@ from pathlib import Path
 from adaspan.data.corpora import load_corpus, source_distance
 from adaspan.model.analysis import flops_per_char
 from adaspan.resolve import resolve_config
-from adaspan.training.checkpoint import RunComplete, RunDir, load_model
+from adaspan.run.checkpoint import RunComplete, RunDir, load_model
+from adaspan.run.metrics import read_metrics
 from adaspan.training.evaluate import bpc_by_distance, evaluate
-from adaspan.training.metrics import read_metrics
 from adaspan.training.train import train
 
 # The model and recipe every run shares; a run overrides some of it.

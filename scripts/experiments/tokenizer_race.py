@@ -23,8 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from adaspan.training.checkpoint import load_model
-from adaspan.training.tokens import outside, run_split, saved_tokenizer
+from adaspan.run.checkpoint import load_model
+from adaspan.run.tokens import outside, run_split, saved_tokenizer
 
 MODEL = ["n_layers=3", "d_model=192", "n_heads=4", "d_inner=768", "max_span=512", "ramp=32",
          "dropout=0.1", "span_loss_coef=2e-6"]

@@ -32,7 +32,7 @@ from .attention.span_attention import Attention, SpanAttention
 from .config import ModelConfig, TrainConfig
 from .measure.generate import generate
 from .model.lm import SpanLM
-from .training.checkpoint import load_model
+from .run.checkpoint import load_model
 from .training.evaluate import evaluate
 from .training.train import train
 

@@ -238,7 +238,7 @@ def _train(args: argparse.Namespace) -> int:
     Options apply in order: defaults (the paper's small model) < --preset < --config FILE <
     the options below < KEY=VALUE overrides."""
     from .resolve import resolve_config
-    from .training.checkpoint import RunComplete, RunDir, new_run_dir
+    from .run.checkpoint import RunComplete, RunDir, new_run_dir
     from .training.train import train
 
     overrides = _config_overrides(args)
@@ -297,9 +297,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     from .data.corpora import source_distance
     from .data.synthetic import is_synthetic
     from .measure.tables import evaluation_text
-    from .training.checkpoint import RunDir, load_model
+    from .run.checkpoint import RunDir, load_model
+    from .run.tokens import run_split
     from .training.evaluate import bpc_by_distance, evaluate, short_context
-    from .training.tokens import run_split
 
     tokens, name, unit, ends, unk = run_split(args.run_dir, args.split, args.data,
                                               args.data_dir, progress=not args.no_progress)
@@ -347,9 +347,9 @@ def _generate(args: argparse.Namespace) -> int:
     """Sample text from a trained model.
 
     Print the prompt, then each character as it is sampled."""
+    from .run.checkpoint import load_model
+    from .run.tokens import run_codec
     from .runtime.precision import choose
-    from .training.checkpoint import load_model
-    from .training.tokens import run_codec
 
     codec = run_codec(args.run_dir)
     model = load_model(args.run_dir, args.device)
@@ -416,7 +416,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from .measure.report import run_events
     from .measure.tables import record_line, span_table, trajectory_table
     from .model.analysis import head_span_history, span_summary, span_trajectories
-    from .training.checkpoint import load_model
+    from .run.checkpoint import load_model
 
     model = load_model(args.run_dir)
     spans = model.spans()
@@ -510,7 +510,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .measure.bench import MEMORY_FIELDS, bench
     from .measure.tables import bench_table
     from .resolve import resolve_config
-    from .training.tokens import UNK_NOTE, per_byte
+    from .run.tokens import UNK_NOTE, per_byte
 
     model_config, train_config = resolve_config(args.preset, args.config, args.overrides)
     block_size = args.block_size or (train_config.block_size if args.preset or args.config
@@ -623,7 +623,7 @@ def _compare(args: argparse.Namespace) -> int:
     (OUT/compare_max_spans.png). Re-running with the same --out reuses the finished runs."""
     from .experiments.compare import MARKDOWN_FILE, compare
     from .resolve import resolve_config
-    from .training.checkpoint import new_run_dir
+    from .run.checkpoint import new_run_dir
 
     budget = []
     if args.minutes is not None:  # the time budget decides; steps only cap it

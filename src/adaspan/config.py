@@ -24,6 +24,7 @@ TRUNCATIONS = ("head", "layer", "none")
 SPAN_PER = ("head", "layer")
 POSITION_TABLES = ("model", "layer", "rotary")
 OPTIMIZERS = ("adagrad", "adamw")
+STATE_PER_PARAMETER = {"adagrad": 1, "adamw": 2}  # tensors the size of a parameter in its state
 CLIP_MODES = ("per-tensor-lr", "global")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LOSSES = ("distill", "lm", "both")  # what adaspan retrofit trains the spans on

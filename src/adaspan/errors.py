@@ -5,7 +5,7 @@ MemoryError. Any other exception is a bug and is reported as one (status 1).
 
 ``ConfigError`` (an invalid option) is here, below every part, because each part checks
 its own options; each module defines the subclasses of its own other failures
-(``training.checkpoint.RunDirError``, ``data.download.DataError``, ...)."""
+(``run.checkpoint.RunDirError``, ``data.download.DataError``, ...)."""
 
 from __future__ import annotations
 

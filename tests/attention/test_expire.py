@@ -14,7 +14,7 @@ from reference import distances_that_move
 from adaspan.attention.expire import ExpireSpanAttention, live_memories
 from adaspan.measure.report import dynamic_spans
 from adaspan.model.analysis import effective_spans, flops_per_char
-from adaspan.training.checkpoint import load_model
+from adaspan.run.checkpoint import load_model
 
 L, R = 24, 8  # max_span and ramp of the standalone layers
 

@@ -25,7 +25,7 @@ from adaspan.attention.span import AdaptiveSpan
 from adaspan.config import ConfigError
 from adaspan.model.analysis import flops_per_char
 from adaspan.model.decode import Decoder, decoder
-from adaspan.training.checkpoint import load_model
+from adaspan.run.checkpoint import load_model
 
 N = 6  # persistent vectors per head in these tests
 

@@ -15,7 +15,7 @@ from adaspan import ModelConfig, SpanLM, soft_mask
 from adaspan.attention.registry import ATTENTIONS
 from adaspan.attention.span import AdaptiveSpan, DynamicSpan, FixedSpan
 from adaspan.model.lm import parameter_count
-from adaspan.training.checkpoint import load_model
+from adaspan.run.checkpoint import load_model
 
 
 def test_soft_mask_matches_the_formula():

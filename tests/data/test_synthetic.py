@@ -16,7 +16,7 @@ from adaspan.config import ModelConfig, TrainConfig
 from adaspan.data.corpora import BlockStream, load_corpus, source_distance
 from adaspan.data.synthetic import DEFAULTS, parse, synthesize
 from adaspan.errors import UserError
-from adaspan.training.checkpoint import load_model
+from adaspan.run.checkpoint import load_model
 from adaspan.training.evaluate import bpc_by_distance, evaluate
 from adaspan.training.train import train
 

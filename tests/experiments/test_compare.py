@@ -28,7 +28,7 @@ from adaspan.experiments.compare import (
 )
 from adaspan.measure.page import compare_page
 from adaspan.resolve import resolve_config
-from adaspan.training.checkpoint import RunDirError
+from adaspan.run.checkpoint import RunDirError
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "batch_size=2",
         "block_size=16", "eval_chars=64", "eval_interval=2", "log_interval=1",

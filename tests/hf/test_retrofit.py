@@ -22,8 +22,8 @@ from adaspan.data.corpora import load_corpus
 from adaspan.hf import load_pretrained, span_modules
 from adaspan.hf.report import REPORT_FILE, measure_retrofit
 from adaspan.hf.retrofit import Retrofit, retrofit
+from adaspan.run.lock import RunLockedError, WriterLock
 from adaspan.runtime.precision import choose
-from adaspan.training.lock import RunLockedError, WriterLock
 from tests.helpers import load_script
 
 FP32 = choose("float32", torch.device("cpu"))

@@ -34,7 +34,7 @@ from adaspan.measure.report import (
     report_data,
     write_report,
 )
-from adaspan.training.checkpoint import load_model
+from adaspan.run.checkpoint import load_model
 from adaspan.training.memory import profiled_peak
 from adaspan.training.train import train
 

@@ -20,9 +20,7 @@ import adaspan.training.train as train_module
 from adaspan import SpanLM
 from adaspan.attention.cache import StreamCache
 from adaspan.data.corpora import load_corpus
-from adaspan.runtime import distributed
-from adaspan.runtime.distributed import DeviceError, Distributed, resolve_device
-from adaspan.training.checkpoint import (
+from adaspan.run.checkpoint import (
     ARCHIVE_DIR,
     STATE_FILE,
     RunDirError,
@@ -30,8 +28,10 @@ from adaspan.training.checkpoint import (
     load_training_state,
     read_state,
 )
+from adaspan.run.lock import RunLockedError, WriterLock
+from adaspan.runtime import distributed
+from adaspan.runtime.distributed import DeviceError, Distributed, resolve_device
 from adaspan.training.evaluate import evaluate
-from adaspan.training.lock import RunLockedError, WriterLock
 from adaspan.training.optim import build_optimizer, build_scheduler
 from adaspan.training.train import train
 

@@ -13,7 +13,7 @@ import torch
 from helpers import TRAIN_MODEL, run_quietly, tiny, tiny_train_config
 
 from adaspan.model.lm import SpanLM
-from adaspan.training.checkpoint import RunDir
+from adaspan.run.checkpoint import RunDir
 from adaspan.training.memory import GB, OutOfMemory, estimate_training_memory, evaluation_memory
 from adaspan.training.train import _Loop
 

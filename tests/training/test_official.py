@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 
 from adaspan.cli import main
 from adaspan.config import ModelConfig, TrainConfig
+from adaspan.data.authors_format import OfficialFormatError
 from adaspan.data.corpora import load_corpus
 from adaspan.model.lm import SpanLM
-from adaspan.training.checkpoint import RunDir, load_model, load_weights
-from adaspan.training.official import OfficialFormatError
-from adaspan.training.tokens import run_codec, run_split
+from adaspan.run.checkpoint import RunDir, load_model, load_weights
+from adaspan.run.tokens import run_codec, run_split
 
 S, R, D, HEADS, LAYERS, INNER = 80, 8, 16, 4, 2, 24
 # current_val per layer and head: spans differ per head; in layer 1 every span is short, so

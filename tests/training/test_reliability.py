@@ -22,8 +22,7 @@ from safetensors.torch import load_file
 
 from adaspan import ModelConfig, SpanLM, TrainConfig, train
 from adaspan.cli import main
-from adaspan.runtime.precision import choose
-from adaspan.training.checkpoint import (
+from adaspan.run.checkpoint import (
     LEGACY_STATE_FILE,
     STATE_FILE,
     RunDirError,
@@ -31,6 +30,7 @@ from adaspan.training.checkpoint import (
     load_training_state,
     read_state,
 )
+from adaspan.runtime.precision import choose
 from adaspan.training.memory import estimate_training_memory, profiled_peak
 from adaspan.training.optim import build_optimizer, build_scheduler
 from adaspan.training.train import train_step
@@ -83,7 +83,7 @@ def _assert_same_weights(run: Path, expected: dict[str, torch.Tensor]) -> None:
 # computation or the pause after it), whatever the machine's speed.
 _CHILD = """
 import importlib, os, signal, sys, threading, time
-checkpoint = importlib.import_module("adaspan.training.checkpoint")
+checkpoint = importlib.import_module("adaspan.run.checkpoint")
 training = importlib.import_module("adaspan.training.train")
 target, kill_step, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 calls, steps, replace, step = [0], [0], os.replace, training.train_step
@@ -221,7 +221,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, corpus_file, monkey
     run = tmp_path / "run"
     train(MODEL, TrainConfig(**_options(corpus_file, steps=4)), run, progress=False,
           log=lambda m: None)
-    import adaspan.training.checkpoint as checkpoint
+    import adaspan.run.checkpoint as checkpoint
 
     def full(state, path):
         Path(path).write_bytes(b"\0" * 100)

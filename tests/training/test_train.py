@@ -31,7 +31,7 @@ from adaspan.attention.cache import StreamCache
 from adaspan.config import TrainConfig
 from adaspan.data.corpora import load_corpus
 from adaspan.errors import UserError
-from adaspan.training.checkpoint import (
+from adaspan.run.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
     WEIGHTS_FILE,

@@ -34,12 +34,12 @@ from ..measure.plots import PlotError, compare_figure, png_bytes, require_plots,
 from ..measure.report import run_events
 from ..model.analysis import effective_spans, flops_per_char, span_summary
 from ..model.lm import SpanLM
+from ..run.checkpoint import RunDir, RunDirError, load_model, stored_form
+from ..run.tokens import run_split
 from ..runtime.distributed import resolve_device
 from ..runtime.precision import choose
-from ..training.checkpoint import RunDir, RunDirError, load_model, stored_form
 from ..training.evaluate import evaluate
 from ..training.memory import training_estimate
-from ..training.tokens import run_split
 from ..training.train import train
 
 SUMMARY_FILE = "train_summary.json"  # written into a method's run directory once trained

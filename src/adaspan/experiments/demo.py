@@ -12,7 +12,7 @@ from ..data.corpora import load_corpus
 from ..measure.generate import generate
 from ..measure.tables import span_table
 from ..resolve import resolve_config
-from ..training.checkpoint import load_model, new_run_dir
+from ..run.checkpoint import load_model, new_run_dir
 from ..training.evaluate import evaluate
 from ..training.train import train
 

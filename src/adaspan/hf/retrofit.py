@@ -31,9 +31,9 @@ from ..config import RetrofitConfig
 from ..data.corpora import load_corpus
 from ..data.files import atomic_write, load_pickled_tensors
 from ..errors import ConfigError, UserError, one_line
+from ..run.lock import hold
 from ..runtime.distributed import Distributed
 from ..runtime.precision import Precision
-from ..training.lock import hold
 from .attention import span_modules
 from .spans import add_spans, save_model
 

@@ -19,10 +19,10 @@ from ..attention.span_attention import adaptive_span_attention, fixed_span_atten
 from ..config import ModelConfig, TrainConfig
 from ..model import analysis
 from ..model.lm import SpanLM
-from ..training.checkpoint import RunDir, load_model
+from ..run.checkpoint import RunDir, load_model
+from ..run.metrics import read_metrics
+from ..run.tokens import run_codec
 from ..training.memory import step_peak_memory
-from ..training.metrics import read_metrics
-from ..training.tokens import run_codec
 from . import plots
 from .page import report_page
 

@@ -6,11 +6,9 @@ The authors' code (facebookresearch/adaptive-span) saves ``{"model": state_dict,
 adaspan run directory whose model gives the same log-probabilities on the same text; see
 ``docs/official.md`` for the mapping of every tensor.
 
-Their data format: a directory with ``train.txt``, ``valid.txt`` and ``test.txt``; each line is
-split on whitespace and ends with the symbol ``<eos>``; the vocabulary lists the symbols in order
-of first appearance over train, valid, then test. A converted run stores that list in
-``vocab.json`` (``RunDir.vocab_file``); :mod:`adaspan.training.tokens` reads a converted run's
-splits and text through it (:func:`encode_split`, :class:`ByteSymbols`).
+Their data format is :mod:`adaspan.data.authors_format`; a converted run stores its vocabulary
+in ``vocab.json`` (``RunDir.vocab_file``), through which :mod:`adaspan.run.tokens` reads the
+run's splits and text.
 """
 
 from __future__ import annotations
@@ -18,25 +16,17 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from array import array
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ..config import ModelConfig, TrainConfig
+from ..data.authors_format import OfficialFormatError, build_vocab
 from ..data.files import load_pickled_tensors
-from ..data.tokenizer import Encoded
-from ..errors import UserError
 from ..model.lm import SpanLM
-from .checkpoint import RunDir, RunDirError
+from ..run.checkpoint import RunDir
 
-EOS = "<eos>"
-SPLIT_FILES = {"train": "train.txt", "valid": "valid.txt", "test": "test.txt"}
 DEFAULT_RAMP = 32  # the authors' --adapt-span-ramp default
 DEFAULT_DROPOUT = 0.2  # their --dropout default
 DEFAULT_SPAN_LOSS = 0.0  # their --adapt-span-loss default
@@ -74,11 +64,6 @@ _CLUSTER_NAME = re.compile(r"(?:in_emb\.emb_(?:layers|projs)|out_emb\.out_(?:lay
 _ADAPTIVE_TENSORS = {"embed.embeddings.{i}.weight": _EMBED, "embed.projections.{i}": _EMBED_PROJ,
                      "out.biases.{i}": _OUT_BIAS}
 _UNTIED_TENSORS = {"out.weights.{i}": _OUT, "out.projections.{i}": _OUT_PROJ}
-
-
-class OfficialFormatError(UserError, ValueError):
-    """A checkpoint or data directory of the authors' code that adaspan cannot read or
-    convert, or bytes that a converted run's vocabulary has no symbol for."""
 
 
 # ------------------------------------------------------------------------------- checkpoint
@@ -320,132 +305,6 @@ def _check_template(template: Tensor, max_span: int, layer: int) -> None:
         raise OfficialFormatError(
             f"layer {layer}: mask_template is not linspace(1 - S, 0, S) for "
             f"S = {max_span}: not a mask of the authors' code")
-
-
-# ------------------------------------------------------------------------------- data format
-
-
-def read_symbols(path: Path) -> Iterator[tuple[int, list[str]]]:
-    """``(line number, symbols)`` of each line of a file in the authors' format: the line's
-    whitespace-separated symbols followed by ``<eos>``."""
-    try:
-        with open(path, encoding="utf8") as lines:
-            for number, line in enumerate(lines, 1):
-                yield number, [*line.split(), EOS]
-    except FileNotFoundError as exc:
-        raise OfficialFormatError(
-            f"{path} does not exist: the data directory must hold "
-            f"{', '.join(SPLIT_FILES.values())}") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OfficialFormatError(f"cannot read {path}: {exc}") from exc
-
-
-def build_vocab(data_dir: str | Path) -> list[str]:
-    """The authors' vocabulary of ``data_dir``: symbols in order of first appearance over
-    train.txt, valid.txt, then test.txt."""
-    seen: dict[str, None] = {}  # updating a key keeps its first position
-    for name in SPLIT_FILES.values():
-        for _, symbols in read_symbols(Path(data_dir) / name):
-            seen.update(dict.fromkeys(symbols))
-    return list(seen)
-
-
-def encode_split(data_dir: str | Path, split: str, vocab: list[str]) -> np.ndarray:
-    """Token ids (int32) of split ``split`` of ``data_dir`` under ``vocab``; an unknown symbol
-    is an error naming it and its line."""
-    if split not in SPLIT_FILES:
-        raise OfficialFormatError(
-            f"unknown split {split!r}; expected one of {', '.join(SPLIT_FILES)}")
-    path = Path(data_dir) / SPLIT_FILES[split]
-    index = {symbol: i for i, symbol in enumerate(vocab)}
-    ids = array("i")
-    for number, symbols in read_symbols(path):
-        try:
-            ids.extend([index[s] for s in symbols])
-        except KeyError as exc:
-            raise OfficialFormatError(
-                f"{path}, line {number}: symbol {exc.args[0]!r} is not in the "
-                "vocabulary of the converted run") from None
-    return np.frombuffer(ids, dtype=np.int32)
-
-
-def read_vocab(run_dir: str | Path) -> list[str] | None:
-    """The symbols of a converted run (``vocab.json``), or None for an ordinary adaspan run."""
-    path = RunDir(run_dir).vocab_file
-    if not path.is_file():
-        return None
-    try:
-        vocab = json.loads(path.read_text(encoding="utf8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RunDirError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(vocab, list) or not all(isinstance(s, str) for s in vocab):
-        raise RunDirError(f"{path} must hold a JSON list of symbols")
-    return vocab
-
-
-def byte_codec(vocab: list[str]) -> tuple[dict[int, int], list[int]]:
-    """``(byte -> token id, token id -> byte)`` for a vocabulary of decimal byte values and
-    ``<eos>`` (the newline byte), as the authors' enwik8 preparation writes it."""
-    to_byte = []
-    for symbol in vocab:
-        value = 10 if symbol == EOS else int(symbol) if re.fullmatch(r"\d{1,3}", symbol) else -1
-        if not 0 <= value < 256:
-            raise OfficialFormatError(
-                f"generation needs a vocabulary of byte values (decimal 0-255) and "
-                f"{EOS}; this run has the symbol {symbol!r}")
-        to_byte.append(value)
-    to_id = {byte: i for i, byte in enumerate(to_byte)}
-    if len(to_id) != len(to_byte):
-        raise OfficialFormatError(
-            "generation needs one symbol per byte; this vocabulary has two for one "
-            f"byte (e.g. both '10' and {EOS})")
-    return to_id, to_byte
-
-
-def encode_bytes(data: bytes, to_id: dict[int, int], what: str = "text") -> list[int]:
-    """Token ids of the bytes ``data`` in a vocabulary of bytes (``to_id`` of
-    :func:`byte_codec`); a byte without a symbol is an error naming it."""
-    missing = sorted(set(data) - set(to_id))
-    if missing:
-        raise OfficialFormatError(f"the {what} has bytes outside this run's vocabulary: {missing}")
-    return [to_id[b] for b in data]
-
-
-# ------------------------------------------------------------------------- a converted run's text
-
-
-@dataclass(frozen=True)
-class ByteSymbols:
-    """The text codec of a converted run whose vocabulary is byte values and ``<eos>`` (the
-    authors' enwik8/text8 format): bytes to token ids and back, one token per byte."""
-
-    to_id: dict[int, int]
-    to_byte: list[int]
-    unit: ClassVar[str] = "symbol"
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.to_byte)
-
-    def encode(self, data: bytes) -> Encoded:
-        """The token ids of ``data``; a byte the run has no symbol for is an error."""
-        return Encoded(np.asarray(encode_bytes(data, self.to_id), dtype=np.int32), None)
-
-    def pieces(self, ids: Iterable[int]) -> Iterator[bytes]:
-        """The byte of each token id, each as it comes."""
-        return (bytes([self.to_byte[t]]) for t in ids)
-
-
-def symbol_ends(ids: np.ndarray, vocab: list[str]) -> np.ndarray | None:
-    """Where each symbol of ``ids`` ends in the text the authors' files stand for: None (one
-    byte each) for a vocabulary of bytes; for words, each word and the space or line end after
-    it (``<eos>``: the newline, counted with the word before it)."""
-    try:
-        byte_codec(vocab)
-        return None
-    except OfficialFormatError:
-        lengths = np.array([0 if s == EOS else len(s.encode("utf8")) + 1 for s in vocab])
-    return np.cumsum(lengths[ids], dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------------- convert

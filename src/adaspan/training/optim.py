@@ -11,8 +11,6 @@ import torch
 from ..config import TrainConfig
 from ..model.lm import SpanLM
 
-STATE_PER_PARAMETER = {"adagrad": 1, "adamw": 2}  # tensors the size of a parameter in its state
-
 
 def lr_factor(step: int, config: TrainConfig, spent: float = 0.0) -> float:
     """Multiplier of ``config.lr`` for optimiser step ``step`` (counted from 0).

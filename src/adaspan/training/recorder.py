@@ -1,6 +1,6 @@
 """The records of a training call: the loss of the steps since the last record, kept on the
 device so that no step waits for it; the throughput; and each record, written to the run's
-metrics log (:class:`adaspan.training.metrics.MetricsLog`) and formatted for the log line."""
+metrics log (:class:`adaspan.run.metrics.MetricsLog`) and formatted for the log line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..model.analysis import span_summary
-from .metrics import MetricsLog
+from ..run.metrics import MetricsLog
 
 
 @dataclass

@@ -37,15 +37,9 @@ from ..config import ConfigError, ModelConfig, TrainConfig
 from ..data.corpora import BlockStream, load_corpus
 from ..errors import UserError, disk_full
 from ..model.lm import SpanLM
-from ..runtime.distributed import Distributed, resolve_device, use_threads
-from ..runtime.precision import Precision, choose
-from .checkpoint import RunComplete, RunDir, TrainingState, stored_form
-from .disk import DiskFullError, check_disk_space, disk_full_error
-from .evaluate import evaluate
-from .memory import MemoryPlan, MemoryWatch, check_training_memory, memory_available
-from .optim import build_optimizer, build_scheduler, lr_factor, set_lr, step_with_tensor_clip
-from .recorder import Recorder
-from .tokens import (
+from ..run.checkpoint import RunComplete, RunDir, TrainingState, stored_form
+from ..run.disk import DiskFullError, check_disk_space, disk_full_error
+from ..run.tokens import (
     TokenCorpus,
     check_vocab,
     encode_corpus,
@@ -53,6 +47,12 @@ from .tokens import (
     saved_tokenizer,
     vocab_warning,
 )
+from ..runtime.distributed import Distributed, resolve_device, use_threads
+from ..runtime.precision import Precision, choose
+from .evaluate import evaluate
+from .memory import MemoryPlan, MemoryWatch, check_training_memory, memory_available
+from .optim import build_optimizer, build_scheduler, lr_factor, set_lr, step_with_tensor_clip
+from .recorder import Recorder
 from .watch import SpanWatch
 
 

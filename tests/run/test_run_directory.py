@@ -21,10 +21,10 @@ from safetensors import SafetensorError
 
 from adaspan import SpanLM, TrainConfig
 from adaspan.cli import main
-from adaspan.training import checkpoint, disk
-from adaspan.training.checkpoint import STATE_FILE, WEIGHTS_FILE, RunDir, load_model
-from adaspan.training.disk import DiskFullError, check_disk_space, checkpoint_bytes
-from adaspan.training.lock import WRITER_FILE, RunLockedError, WriterLock
+from adaspan.run import checkpoint, disk
+from adaspan.run.checkpoint import STATE_FILE, WEIGHTS_FILE, RunDir, load_model
+from adaspan.run.disk import DiskFullError, check_disk_space, checkpoint_bytes
+from adaspan.run.lock import WRITER_FILE, RunLockedError, WriterLock
 from adaspan.training.train import _Loop
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -49,7 +49,7 @@ def _files(run: Path) -> dict[str, bytes]:
 def _holder(folder: Path) -> subprocess.Popen:
     """Another process that takes the writer lock of ``folder`` and waits (says "locked")."""
     code = ("import sys, time; from pathlib import Path; "
-            "from adaspan.training.lock import WriterLock; "
+            "from adaspan.run.lock import WriterLock; "
             "WriterLock(Path(sys.argv[1])).acquire(); print('locked', flush=True); "
             "time.sleep(600)")
     child = subprocess.Popen([sys.executable, "-c", code, str(folder)], text=True,

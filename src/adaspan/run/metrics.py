@@ -1,6 +1,6 @@
 """Training metrics: one JSON record per line of a file (a run's ``metrics.jsonl``), written
 and read back, and TensorBoard events if TensorBoard is installed. Where the files are is the
-run directory's to say (:class:`adaspan.training.checkpoint.RunDir`)."""
+run directory's to say (:class:`adaspan.run.checkpoint.RunDir`)."""
 
 from __future__ import annotations
 

@@ -16,10 +16,10 @@ from adaspan.cli import main
 from adaspan.data.corpora import load_corpus
 from adaspan.data.tokenizer import BYTE_SYMBOLS, EOS, UNK, BPETokenizer, WordTokenizer
 from adaspan.resolve import resolve_config
-from adaspan.training.checkpoint import RunDir, load_model
+from adaspan.run.checkpoint import RunDir, load_model
+from adaspan.run.metrics import read_metrics
+from adaspan.run.tokens import outside, run_codec, run_split, saved_tokenizer
 from adaspan.training.evaluate import evaluate
-from adaspan.training.metrics import read_metrics
-from adaspan.training.tokens import outside, run_codec, run_split, saved_tokenizer
 
 TINY = ["n_layers=1", "d_model=16", "n_heads=2", "d_inner=32", "max_span=64", "ramp=8",
         "batch_size=2", "block_size=16", "eval_chars=128", "eval_interval=2", "log_interval=1",

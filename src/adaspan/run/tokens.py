@@ -10,6 +10,7 @@ byte of the original text (bits per byte, the bpc of a byte run) come from these
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -17,6 +18,13 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import ConfigError, ModelConfig, TrainConfig
+from ..data.authors_format import (
+    ByteSymbols,
+    OfficialFormatError,
+    byte_codec,
+    encode_split,
+    symbol_ends,
+)
 from ..data.corpora import SPLITS, Corpus, load_corpus
 from ..data.download import data_dir as data_root
 from ..data.tokenizer import (
@@ -32,14 +40,20 @@ from ..data.tokenizer import (
     tokenize_splits,
 )
 from .checkpoint import RunDir, RunDirError
-from .official import (
-    ByteSymbols,
-    OfficialFormatError,
-    byte_codec,
-    encode_split,
-    read_vocab,
-    symbol_ends,
-)
+
+
+def read_vocab(run_dir: str | Path) -> list[str] | None:
+    """The symbols of a converted run (``vocab.json``), or None for an ordinary adaspan run."""
+    path = RunDir(run_dir).vocab_file
+    if not path.is_file():
+        return None
+    try:
+        vocab = json.loads(path.read_text(encoding="utf8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RunDirError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(vocab, list) or not all(isinstance(s, str) for s in vocab):
+        raise RunDirError(f"{path} must hold a JSON list of symbols")
+    return vocab
 
 
 @dataclass(frozen=True)

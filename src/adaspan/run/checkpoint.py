@@ -11,7 +11,7 @@ Layout of a run directory::
     state.step-N.rank-R.safetensors
                         under torchrun, the carried cache rows and RNG state of rank R >= 1
                         (rank 0's are in state.safetensors), written by that process
-    metrics.jsonl       one JSON object per log/eval event (:mod:`adaspan.training.metrics`)
+    metrics.jsonl       one JSON object per log/eval event (:mod:`adaspan.run.metrics`)
     tb/                 TensorBoard events (when tensorboard is installed)
     checkpoints/        step-N/: the last ``keep_last`` checkpoints (hard links), if asked
     report/             what ``adaspan report`` writes by default
@@ -159,7 +159,7 @@ class RunDir:
         run (:meth:`require_new`), or with ``resume`` one that exists, was set up alike (the
         model, and the options fixed on resume), is writable and has steps left before
         ``config.steps`` (a run at exactly ``steps`` is :class:`RunComplete`, returned; past
-        them, RunDirError). Then it takes the writer lock (:func:`~adaspan.training.lock.hold`;
+        them, RunDirError). Then it takes the writer lock (:func:`~adaspan.run.lock.hold`;
         :meth:`close` releases it) and, once every rank has checked, rank 0 removes what an
         interrupted save left."""
         if not resume:

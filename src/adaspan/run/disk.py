@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import shutil
 
-from ..config import TrainConfig
+from ..config import STATE_PER_PARAMETER, TrainConfig
 from ..data.files import existing_ancestor
 from ..errors import UserError
 from ..model.lm import SpanLM
 from .checkpoint import RunDir
-from .optim import STATE_PER_PARAMETER
 
 
 class DiskFullError(UserError):

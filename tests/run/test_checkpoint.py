@@ -18,8 +18,7 @@ from adaspan import SpanLM
 from adaspan.attention.cache import StreamCache
 from adaspan.config import TrainConfig
 from adaspan.data.files import atomic_write
-from adaspan.runtime.distributed import Distributed
-from adaspan.training.checkpoint import (
+from adaspan.run.checkpoint import (
     LEGACY_STATE_FILE,
     STATE_FILE,
     WEIGHTS_FILE,
@@ -32,6 +31,7 @@ from adaspan.training.checkpoint import (
     new_run_dir,
     read_state,
 )
+from adaspan.runtime.distributed import Distributed
 from adaspan.training.optim import build_optimizer, build_scheduler
 
 
