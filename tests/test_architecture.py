@@ -50,7 +50,10 @@ LAYERS = {
     "hf/span_cache": 27, "hf/spans": 27,
     "hf/retrofit": 28,
     "hf/report": 29, "hf/__init__": 29,
-    "cli": 30, "__init__": 31,
+    "cli/options": 30,
+    "cli/train": 31, "cli/runs": 31, "cli/tools": 31, "cli/retrofit": 31,
+    "cli/__init__": 32, "cli/__main__": 33,
+    "__init__": 34,
 }
 
 

@@ -299,9 +299,9 @@ def test_threads_of_train_and_compare_go_to_the_train_config(monkeypatch, tmp_pa
     """Their runs set the threads (the command line leaves torch's as they are)."""
     threads = torch.get_num_threads()
     seen = []
-    monkeypatch.setattr(importlib.import_module("adaspan.training.train"), "train",
+    monkeypatch.setattr(importlib.import_module("adaspan.cli.train"), "train",
                         lambda model, config, *a, **k: seen.append(config.threads) or {})
-    monkeypatch.setattr(importlib.import_module("adaspan.experiments.compare"), "compare",
+    monkeypatch.setattr(importlib.import_module("adaspan.cli.train"), "compare",
                         lambda methods, model, config, *a, **k: seen.append(config.threads) or [])
     assert main(["train", "--preset", "demo", "--threads", "1", "--run-dir", str(tmp_path)]) == 0
     assert main(["train", "--preset", "demo", "threads=2", "--run-dir", str(tmp_path)]) == 0
@@ -327,7 +327,7 @@ def test_a_bug_is_reported_as_one_with_exit_status_1(bug, monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise bug
 
-    monkeypatch.setattr("adaspan.model.lm.parameter_count", broken)  # `adaspan presets` calls it
+    monkeypatch.setattr("adaspan.cli.tools.parameter_count", broken)  # `adaspan presets` calls it
     assert main(["presets"]) == 1
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == f"adaspan: error: {type(bug).__name__}: {bug}"
@@ -341,7 +341,7 @@ def test_debug_raises_bugs_and_user_errors(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("adaspan.model.lm.parameter_count", broken)
+    monkeypatch.setattr("adaspan.cli.tools.parameter_count", broken)
     with pytest.raises(RuntimeError, match="boom"):
         main(["--debug", "presets"])
 

@@ -219,7 +219,7 @@ def _finished(run_dir: Path, model_config: ModelConfig, train_config: TrainConfi
     they change the speed, not what the run learns)."""
     if not (run_dir / SUMMARY_FILE).is_file():
         return False
-    saved_model, saved_train = RunDir(run_dir).load_config()
+    saved_model, saved_train = RunDir.of(run_dir).load_config()
     return saved_model == model_config and (replace(saved_train, threads=None)
                                             == replace(stored_form(train_config), threads=None))
 

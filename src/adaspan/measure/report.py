@@ -153,14 +153,14 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, text: s
     """Write ``out_dir/report.json`` (default ``run_dir/report``), the numbers of the report,
     and ``out_dir/report.html``, the page drawn from them; return the page's path."""
     plots.require_plots()
-    run = RunDir(run_dir)
+    run = RunDir.of(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run.report_dir
     model_config, train_config = run.load_config()
     model = load_model(run, device)
     probe = torch.device(device) if memory else None
-    data = report_data(model, train_config, run.path, text, limits, probe)
+    data = report_data(model, train_config, run, text, limits, probe)
     saved = {"model": model_config.to_dict(), "train": train_config.to_dict()}
-    html = report_page(data, saved, run_events(run.path), model.config)
+    html = report_page(data, saved, run_events(run), model.config)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / DATA_FILE).write_text(json.dumps(data, indent=1) + "\n")
     page = out_dir / REPORT_FILE
@@ -168,8 +168,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, text: s
     return page
 
 
-def report_data(model: SpanLM, train_config: TrainConfig, run_dir: Path, text: str | None,
-                limits: Sequence[int], probe: torch.device | None) -> dict:
+def report_data(model: SpanLM, train_config: TrainConfig, run_dir: RunDir | Path,
+                text: str | None, limits: Sequence[int], probe: torch.device | None) -> dict:
     """The numbers of the report: attention, parameters, whether spans are learned, each
     head's span at every metrics record (``head_spans``,
     :func:`~adaspan.model.analysis.head_span_history`), final spans, the Figure 3 costs and, for
@@ -190,6 +190,6 @@ def report_data(model: SpanLM, train_config: TrainConfig, run_dir: Path, text: s
     return data
 
 
-def run_events(run_dir: Path) -> list[dict]:
+def run_events(run_dir: RunDir | Path) -> list[dict]:
     """The metrics records of the run in ``run_dir`` (none without ``metrics.jsonl``)."""
-    return read_metrics(RunDir(run_dir).metrics_file)
+    return read_metrics(RunDir.of(run_dir).metrics_file)

@@ -122,11 +122,15 @@ class RunDir:
         self.tokenizer_file = self.path / TOKENIZER_FILE
         self._lock: WriterLock | None = None
 
+    @classmethod
+    def of(cls, run_dir: RunDir | str | os.PathLike) -> RunDir:
+        """``run_dir`` itself where it is a RunDir (passed on), else the one at that path."""
+        return run_dir if isinstance(run_dir, RunDir) else cls(run_dir)
+
     def __fspath__(self) -> str:
         return str(self.path)
 
-    def __str__(self) -> str:
-        return str(self.path)
+    __str__ = __fspath__
 
     def part_file(self, step: int, rank: int) -> Path:
         """Where rank ``rank`` (>= 1) writes its part of the state of step ``step``."""
@@ -406,9 +410,9 @@ def _save_checkpoint(run: RunDir, model: SpanLM, optimizer: torch.optim.Optimize
     _remove_parts(run, keep=lambda part_step: part_step >= step)  # superseded
 
 
-def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> SpanLM:
+def load_model(run_dir: RunDir | str | os.PathLike, device: str | torch.device = "cpu") -> SpanLM:
     """The model saved in ``run_dir`` (its config and latest weights), in eval mode."""
-    run = RunDir(run_dir)
+    run = RunDir.of(run_dir)
     config = run.load_config()[0]
     check_weights(run, config)
     model = SpanLM(config)
@@ -416,9 +420,9 @@ def load_model(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -
     return model.to(device).eval()
 
 
-def load_weights(run_dir: str | os.PathLike, model: SpanLM) -> int:
+def load_weights(run_dir: RunDir | str | os.PathLike, model: SpanLM) -> int:
     """Load the weights of ``run_dir`` into ``model``; return the step they were saved at."""
-    run = RunDir(run_dir)
+    run = RunDir.of(run_dir)
     path = _require_file(run, run.weights_file)
     try:
         with safe_open(path, framework="pt") as weights:
@@ -476,7 +480,7 @@ def load_training_state(
     CPU). A run saved by as many processes reads only its own part; one saved by another
     number of processes reads the parts that hold its streams' cache rows.
     """
-    run = RunDir(run_dir)
+    run = RunDir.of(run_dir)
     dist = dist if dist is not None else Distributed()
     path = run.state_path() or _require_file(run, run.state_file)
     state = read_state(path)

@@ -42,9 +42,9 @@ from ..data.tokenizer import (
 from .checkpoint import RunDir, RunDirError
 
 
-def read_vocab(run_dir: str | Path) -> list[str] | None:
+def read_vocab(run_dir: RunDir | str | Path) -> list[str] | None:
     """The symbols of a converted run (``vocab.json``), or None for an ordinary adaspan run."""
-    path = RunDir(run_dir).vocab_file
+    path = RunDir.of(run_dir).vocab_file
     if not path.is_file():
         return None
     try:
@@ -150,7 +150,7 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, data_dir: str | None = N
 def saved_tokenizer(run_dir: str | Path | RunDir) -> Tokenizer:
     """The tokenizer saved in a run directory; bytes for a run saved without one (adaspan
     0.7 and earlier)."""
-    path = RunDir(run_dir).tokenizer_file
+    path = RunDir.of(run_dir).tokenizer_file
     if not path.is_file():
         return ByteTokenizer()
     try:
@@ -171,13 +171,14 @@ class RunSplit(NamedTuple):
     unk: int | None
 
 
-def run_split(run_dir: str | Path, split: str, data: str | Path | None = None,
+def run_split(run_dir: RunDir | str | Path, split: str, data: str | Path | None = None,
               data_dir: str | Path | None = None, progress: bool = True) -> RunSplit:
     """Split ``split`` of the corpus of ``run_dir``, or of ``data``, as the run's tokens (its
     saved tokenizer; ``data_dir``: where corpora and tokens are cached, default the run's), or
     for a converted run the symbol ids of a directory in the authors' format."""
-    saved = RunDir(run_dir).load_config()[1]
-    vocab = read_vocab(run_dir)
+    run = RunDir.of(run_dir)
+    saved = run.load_config()[1]
+    vocab = read_vocab(run)
     if vocab is not None:
         folder = data or saved.data
         ids = encode_split(folder, split, vocab)
@@ -185,18 +186,19 @@ def run_split(run_dir: str | Path, split: str, data: str | Path | None = None,
                         vocab.index(UNK) if UNK in vocab else None)
     data_dir = data_dir or saved.data_dir
     corpus = load_corpus(data or saved.data, data_dir, progress=progress)
-    tokens = encode_corpus(corpus, saved_tokenizer(run_dir), data_dir and str(data_dir),
+    tokens = encode_corpus(corpus, saved_tokenizer(run), data_dir and str(data_dir),
                            progress, (split,))
     return RunSplit(tokens.split(split), corpus.name, tokens.tokenizer.unit, tokens.ends(split),
                     tokens.tokenizer.unk_id)
 
 
-def run_codec(run_dir: str | Path) -> Tokenizer | ByteSymbols:
+def run_codec(run_dir: RunDir | str | Path) -> Tokenizer | ByteSymbols:
     """Text to the token ids of ``run_dir`` and back (``encode``, ``pieces``): its tokenizer,
     or for a converted run its vocabulary of symbols."""
-    vocab = read_vocab(run_dir)
+    run = RunDir.of(run_dir)
+    vocab = read_vocab(run)
     if vocab is None:
-        return saved_tokenizer(run_dir)
+        return saved_tokenizer(run)
     try:
         return ByteSymbols(*byte_codec(vocab))
     except OfficialFormatError:
@@ -204,7 +206,7 @@ def run_codec(run_dir: str | Path) -> Tokenizer | ByteSymbols:
     try:  # words: the authors' symbols, in their order
         return WordTokenizer(vocab, min_count=1)
     except TokenizerError as exc:
-        raise OfficialFormatError(f"{RunDir(run_dir).vocab_file}: {exc}") from None
+        raise OfficialFormatError(f"{run.vocab_file}: {exc}") from None
 
 
 UNK_NOTE = {"unk_share": "of the valid split's bytes under <unk>: one token for a whole word, "

@@ -133,7 +133,7 @@ def train(
     device = resolve_device(train_config.device, dist.local_rank, dist.world_size)
     use_threads(train_config.threads)
     owns_group = dist.start(device)
-    run_dir = RunDir(run_dir)
+    run_dir = RunDir.of(run_dir)
     try:
         with closing(run_dir), _disk_full_reported(run_dir):
             run = build_run(model_config, train_config, run_dir, resume, device, dist,

@@ -1,0 +1,80 @@
+"""``adaspan retrofit``: learned spans for a frozen Hugging Face causal LM."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..config import LOSSES, RetrofitConfig
+from ..data.corpora import resolve_data
+from ..runtime.precision import choose
+from .options import (
+    add_output,
+    add_runtime,
+    command,
+    json_line,
+    positive_float,
+    positive_int,
+)
+
+
+def add_retrofit(commands) -> None:
+
+    p = command(commands, "retrofit", _retrofit)
+    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR",
+                   help="a Hugging Face causal LM and its tokenizer (save_pretrained)")
+    p.add_argument("--data", required=True, metavar="TEXT", help="text file (plain, .gz or "
+                   ".zip) or corpus name: spans learn on its train split, the report scores "
+                   "its valid split (adaspan's 90/5/5 split)")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="new directory: the model with its spans, the report, the checkpoint")
+    default = RetrofitConfig("", "", "")
+    p.add_argument("--max-span", type=positive_int, help="S (default: --context)")
+    p.add_argument("--ramp", type=positive_int, default=default.ramp, help="ramp R")
+    p.add_argument("--context", type=positive_int, default=default.context,
+                   help="tokens per window (training, scoring and decoding)")
+    p.add_argument("--steps", type=positive_int, default=default.steps,
+                   help="optimiser steps of the spans")
+    p.add_argument("--batch-size", type=positive_int, default=default.batch_size,
+                   help="windows per step")
+    p.add_argument("--lr", type=positive_float, default=default.lr, help="Adam's step on z'")
+    p.add_argument("--span-loss", type=float, default=default.span_loss,
+                   help="lambda of the span penalty lambda/M * sum z")
+    p.add_argument("--loss", choices=LOSSES, default=default.loss, help="distill: KL to the "
+                   "frozen model with full attention; lm: the text's NLL; both: their sum")
+    p.add_argument("--seed", type=int, default=default.seed,
+                   help="the windows of each step are drawn from (seed, step)")
+    p.add_argument("--checkpoint-interval", type=positive_int,
+                   default=default.checkpoint_interval, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue the retrofit in --out")
+    p.add_argument("--eval-bytes", type=positive_int, default=65536,
+                   help="held-out bytes the report scores")
+    p.add_argument("--decode-tokens", type=positive_int, default=64,
+                   help="tokens decoded at the full context for the speed")
+    add_runtime(p, "bf16 for training where the device has fast bf16, fp32 for the report")
+    add_output(p, "print the report as JSON", progress=True)
+
+
+def _retrofit(args: argparse.Namespace) -> int:
+    """Learn a span per head for a frozen Hugging Face causal LM.
+
+    Freeze every weight of MODEL_DIR, attach an adaptive span to each attention layer (at
+    its full span S) and train only the spans: distillation towards the model's own
+    full-attention outputs (and/or the text's loss) plus the span penalty. Writes to --out the
+    model with its spans (adaspan.hf.load_pretrained reads it) and a report, retrofit.json and
+    retrofit.md: spans per head, held-out bits per byte, key/value cache bytes and decode
+    speed, with full attention and with the spans (see docs/retrofit.md)."""
+    from ..hf.report import markdown, measure_retrofit, write
+    from ..hf.retrofit import retrofit
+
+    config = RetrofitConfig(
+        str(args.model_dir.resolve()), resolve_data(args.data), str(args.out.resolve()),
+        args.max_span, args.ramp, args.context, args.steps, args.batch_size, args.lr,
+        args.span_loss, args.loss, args.seed, args.checkpoint_interval)
+    run = retrofit(config, choose(args.dtype, args.device, "train"), args.resume,
+                   progress=not args.no_progress)
+    report = measure_retrofit(run, choose(args.dtype, args.device, "score"), args.eval_bytes,
+                              args.decode_tokens)
+    write(args.out, report)
+    print(json_line(report) if args.json else markdown(report), end="\n" if args.json else "")
+    return 0
