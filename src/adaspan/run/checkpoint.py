@@ -106,8 +106,7 @@ class RunComplete:
 
 
 class RunDir:
-    """A run directory: the paths of its files, its configuration, opening it to train, its
-    checkpoints. ``str()`` and ``os.fspath()`` give its path."""
+    """A run directory: its files, configuration, opening to train, checkpoints; str(): path."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
