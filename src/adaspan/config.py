@@ -30,16 +30,12 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 LOSSES = ("distill", "lm", "both")  # what adaspan retrofit trains the spans on
 
 
-class Registered(Collection):
-    """The values of an option that the part defining them registers (attention variants,
-    tokenizers, kernels: :func:`register_choices`), read when asked (a live collection): this
-    module imports nothing of the package but its errors."""
-
-    def __init__(self, option: str) -> None:
-        self.option = option
+class LiveNames(Collection):
+    """Names read when asked (``_values``, a subclass's), so that a list of choices follows
+    what is registered after it was made."""
 
     def _values(self) -> Collection[str]:
-        return CHOICES.get(self.option, ())
+        raise NotImplementedError
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values())
@@ -49,6 +45,18 @@ class Registered(Collection):
 
     def __contains__(self, value: object) -> bool:
         return value in self._values()
+
+
+class Registered(LiveNames):
+    """The values of an option that the part defining them registers (attention variants,
+    tokenizers, kernels: :func:`register_choices`): this module imports nothing of the package
+    but its errors."""
+
+    def __init__(self, option: str) -> None:
+        self.option = option
+
+    def _values(self) -> Collection[str]:
+        return CHOICES.get(self.option, ())
 
 
 CHOICES: dict[str, Collection[str]] = {}  # option -> the values registered for it

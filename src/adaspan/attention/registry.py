@@ -19,13 +19,13 @@ checks it validates ``attention`` and ``persistent_span`` with (:func:`check_con
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch import nn
 
-from ..config import register_check, register_choices
+from ..config import LiveNames, register_check, register_choices
 from ..errors import ConfigError
 from .span import FixedSpan, Span
 
@@ -88,24 +88,15 @@ def name_of(build: Callable[..., nn.Module]) -> str:
     raise KeyError(f"{build.__qualname__} is not a registered attention variant")
 
 
-class VariantNames(Collection):
+class VariantNames(LiveNames):
     """The names of the registered variants that ``keep`` accepts, read from the registry when
     asked (a live list of choices)."""
 
     def __init__(self, keep: Callable[[Variant], bool]) -> None:
         self.keep = keep
 
-    def _names(self) -> list[str]:
+    def _values(self) -> list[str]:
         return [name for name, variant in ATTENTIONS.items() if self.keep(variant)]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
 
 
 def check_config(config: Any) -> None:
