@@ -148,7 +148,7 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
                    bounds: Bounds | None = None, layout: HeadLayout | None = None,
                    memory: tuple[Tensor, Tensor] | None = None, log_mask: Tensor | None = None,
                    backend: str = "auto", z_min: float | None = None,
-                   z_host: list[float] | None = None) -> Tensor:
+                   z_host: list[float] | Callable[[], list[float]] | None = None) -> Tensor:
     """Eqs. 1-3 of the M newest positions over the keys ``origin`` .. ``origin + S - 1``
     positions behind each. Returns (B, Hq, M, d) in the dtype of q.
 
@@ -162,7 +162,8 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
     ``training``.
 
     The windows come from each head's greatest z on the host: ``bounds`` (each head's least and
-    greatest z), else ``z_host`` (each head's z, the same for every row and query), else read
+    greatest z), else ``z_host`` (each head's z, the same for every row and query, or a
+    function that gives it, called only where z is read), else read
     from z (one host read; ``z_min``, the least z, halves it). A ``layout`` of the caller's
     windows (S, or bucketed, possibly longer than ``ceil(z + R)``) replaces them. ``memory``:
     keys (Hq, d, N) and values (Hq, N, d) joined to every query's softmax without mask or
@@ -210,11 +211,12 @@ def choose_backend(q: Tensor, backend: str, memory: object = None,
 
 
 def _bounds(z: Tensor | None, bounds: Bounds | None, z_min: float | None,
-            z_host: list[float] | None, H: int) -> Bounds | None:
+            z_host: list[float] | Callable[[], list[float]] | None, H: int) -> Bounds | None:
     """Each head's least and greatest z on the host (None without z)."""
     if z is None or bounds is not None:
         return bounds if z is not None else None
     if z_host is not None:
+        z_host = z_host() if callable(z_host) else z_host
         return list(z_host), list(z_host)
     if z_min is not None:
         return [z_min] * H, z.detach().amax(dim=(0, 2)).tolist()

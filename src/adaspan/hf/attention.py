@@ -67,7 +67,7 @@ def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     log_mask = None if torch.is_grad_enabled() else decode_mask(span, query)
     out = span_attention(query, key, value, lambda: span(query), max_span=span.max_span,
                          ramp=span.ramp, scale=scaling, dropout=dropout,
-                         training=module.training, z_host=span.host_z(), log_mask=log_mask)
+                         training=module.training, z_host=span.host_z, log_mask=log_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
