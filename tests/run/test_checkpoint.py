@@ -247,3 +247,24 @@ def test_a_run_of_adaspan_0_2_resumes_from_its_state_pt(tmp_path, corpus_file):
     assert not (legacy / LEGACY_STATE_FILE).exists()  # superseded by the new state file
     for name, tensor in load_file(current / WEIGHTS_FILE).items():
         assert torch.equal(load_file(legacy / WEIGHTS_FILE)[name], tensor), name
+
+
+def test_a_grouped_query_run_of_0_12_with_the_position_table_is_refused(tmp_path):
+    """Its layers read no table; this version's do: its weights would be another model."""
+    import json
+
+    from adaspan.config import ModelConfig, TrainConfig
+    from adaspan.run.checkpoint import RunDir, RunDirError
+
+    saved = {"model": ModelConfig(n_heads=4, d_model=16, kv_heads=2).to_dict(),
+             "train": TrainConfig(data="kjv").to_dict()}
+    run = RunDir(tmp_path)
+    for version, table, refused in [("0.12.0", "model", True), ("0.13.0", "model", False),
+                                    ("0.12.0", "rotary", False)]:
+        saved["model"]["position_table"] = table
+        run.config_file.write_text(json.dumps({**saved, "adaspan_version": version}))
+        if refused:
+            with pytest.raises(RunDirError, match="adaspan 0.12.0, whose grouped-query layers"):
+                run.load_config()
+        else:
+            assert run.load_config()[0].kv_heads == 2

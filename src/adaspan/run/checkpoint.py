@@ -304,7 +304,26 @@ def _read_config(run: RunDir) -> dict:
         raise RunDirError(f"{path} must hold 'model' and 'train' tables")
     config["model"].setdefault("position_table", "layer")  # adaspan 0.1: one table per layer
     config["train"].setdefault("clip_mode", "global")  # ... and the global gradient norm clipped
+    _refuse_positionless_grouped_heads(path, config)
     return config
+
+
+def _refuse_positionless_grouped_heads(path: Path, config: dict) -> None:
+    """A run of grouped-query heads with the table of positions saved before 0.13.0, whose
+    layers read no table: this version's layers read it, so its weights would compute another
+    function (RunDirError)."""
+    model, version = config["model"], str(config.get("adaspan_version", "0"))
+    grouped = model.get("kv_heads") not in (None, model.get("n_heads"))
+    if grouped and model.get("position_table") != "rotary" and _version_tuple(version) < (0, 13):
+        raise RunDirError(
+            f"{path}: saved by adaspan {version}, whose grouped-query layers (kv_heads) read no "
+            "position table; from 0.13.0 they read it, so these weights would compute another "
+            "model: train it again, or use adaspan 0.12 for this run")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.12.0"`` as ``(0, 12, 0)`` (the leading numbers of each part)."""
+    return tuple(int(re.match(r"\d*", part)[0] or 0) for part in version.split("."))
 
 
 def stored_form(config: TrainConfig) -> TrainConfig:
