@@ -3,11 +3,11 @@
 Implements "Adaptive Attention Span in Transformers" (Sukhbaatar et al., ACL 2019) and the
 attention methods it is compared against.
 
-The package is six parts, each a folder that imports only the parts before it:
-``attention`` -> ``model`` -> ``data`` -> ``training`` -> ``measure``, with ``hf`` (learned
-spans in Hugging Face models; imports ``attention`` alone) beside ``model``, ``errors`` below
-them all, ``config`` (the options) between ``data`` and ``training``, and the command line
-(``cli``) on top (docs/architecture.md).
+The package is nine parts, each a folder that imports only the parts before it:
+``attention`` -> ``model`` -> ``data`` -> ``runtime`` -> ``run`` -> ``training`` ->
+``measure`` -> ``experiments`` -> ``hf`` (learned spans in Hugging Face models, optional),
+above ``errors`` and ``config`` (the options, which the parts register their choices with),
+and the command line (``cli``) on top (docs/architecture.md).
 """
 
 import sys
