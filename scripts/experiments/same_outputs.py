@@ -109,6 +109,14 @@ def fused_outputs() -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"{name}/grad/{parameter}", value.grad
 
 
+def bf16_outputs() -> Iterator[tuple[str, torch.Tensor]]:
+    """Training steps and decoded tokens under bf16 autocast (the CPU's training precision)."""
+    for name in ("adaptive", "rotary", "persistent"):
+        changes = dict(MODELS)[name]
+        with torch.autocast("cpu", torch.bfloat16):
+            yield from ((f"bf16-{key}", value) for key, value in span_lm_outputs(name, changes))
+
+
 def hf_outputs(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
     """A tiny Hugging Face model with short spans: logits, the spans' gradients, and twelve
     greedy tokens' logits with ``SpanCache``."""
@@ -147,6 +155,7 @@ def outputs() -> dict[str, torch.Tensor]:
     for name, changes in MODELS:
         found.update(span_lm_outputs(name, changes))
     found.update(fused_outputs())
+    found.update(bf16_outputs())
     try:
         import transformers  # noqa: F401
     except ImportError:
