@@ -106,9 +106,11 @@ def gradients_against_reference(attn, x, cache) -> list[dict]:
 def reference_hf_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """A ``transformers`` attention function: :func:`reference_span_attention` with z = S z'
-    read from the parameters of ``module.adaptive_span``. Returns (B, M, H, d), no weights."""
+    read from the parameters of ``module.adaptive_span`` (a span per key/value head read by
+    each of its query heads). Returns (B, M, H, d), no weights."""
     span = module.adaptive_span
     z = (span.max_span * span.z_frac.clamp(0, 1)).expand(span.n_heads).view(1, -1, 1)
+    z = z.repeat_interleave(query.shape[1] // span.n_heads, dim=1)
     out = reference_span_attention(query, key, value, z, span.max_span, span.ramp,
                                    scale=scaling)
     return out.to(query.dtype).transpose(1, 2), None

@@ -424,6 +424,7 @@ class RetrofitConfig:
     loss: str = "distill"
     seed: int = 0
     checkpoint_interval: int = 50
+    per_kv_head: bool = False  # one z per key/value head (adaspan.hf.add_spans)
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -439,6 +440,8 @@ class RetrofitConfig:
             raise ConfigError(f"span_loss must be a number >= 0, got {self.span_loss}")
         if self.loss not in LOSSES:
             raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if not isinstance(self.per_kv_head, bool):
+            raise ConfigError(f"per_kv_head must be true or false, got {self.per_kv_head!r}")
 
     @property
     def span_limit(self) -> int:

@@ -157,3 +157,27 @@ def test_decoding_without_gradients_builds_the_mask_once_per_value_of_z(monkeypa
             expected = reference_hf_logits(model, IDS)
         torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-5, rtol=0)
         assert len(built) == 2 * rounds  # two layers
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_spans_per_key_value_head_are_those_of_its_query_heads(kind):
+    """One z per key/value head: the naive soft mask with that z for each of its query heads,
+    and the model whose query heads each have their key/value head's z (GPT-2: a key/value
+    head per query head)."""
+    shared = add_spans(tiny_hf(kind), max_span=32, ramp=4, per_kv_head=True)
+    per_query = add_spans(tiny_hf(kind), max_span=32, ramp=4)
+    group = 1 if kind == "gpt2" else 2
+    for shared_span, span, row in zip(span_modules(shared), span_modules(per_query), SPANS,
+                                      strict=True):
+        kv_spans = row[::group]
+        assert shared_span.n_heads == len(kv_spans)
+        shared_span.set_spans(torch.tensor(kv_spans))
+        span.set_spans(torch.tensor(kv_spans).repeat_interleave(group))
+    got = shared(IDS).logits
+    torch.testing.assert_close(got, reference_hf_logits(shared, IDS), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, per_query(IDS).logits, atol=1e-6, rtol=0)
+    with torch.no_grad():  # decoding: the decode backend's mask, per query head
+        torch.testing.assert_close(shared(IDS[:, :20]).logits, per_query(IDS[:, :20]).logits,
+                                   atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match="exclude each other"):
+        add_spans(tiny_hf(kind), per_layer=True, per_kv_head=True)

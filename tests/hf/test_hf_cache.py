@@ -110,3 +110,17 @@ def test_the_speed_script_prints_bytes_and_speeds_of_both_caches():
         assert line["span_kv_bytes"] == 2 * 31 * per_key
         assert line["full_kv_bytes"] == 2 * (line["context"] + 3) * per_key
         assert line["span_decode_tokens_per_s"] > 0 and line["full_decode_tokens_per_s"] > 0
+
+
+def test_spans_per_key_value_head_keep_their_windows_in_the_cache():
+    """A z per key/value head: each key/value head holds its own window - 1 positions, and the
+    greedy tokens are those of the full cache."""
+    model = add_spans(tiny_hf("llama"), max_span=64, ramp=4, per_kv_head=True)
+    for span, row in zip(span_modules(model), [[5, 17], [20, 7]], strict=True):
+        span.set_spans(torch.tensor(row, dtype=torch.float32))
+    cache = SpanCache(model)
+    tokens, logits = greedy(model, cache)
+    full_tokens, full_logits = greedy(model, DynamicCache())
+    assert torch.equal(tokens, full_tokens)
+    torch.testing.assert_close(logits, full_logits, atol=1e-5, rtol=0)
+    assert [tuple(layer.keys.shape) for layer in cache.layers] == [(1, 4 + 16, 8), (1, 19 + 6, 8)]

@@ -74,3 +74,14 @@ def test_the_former_name_of_load_pretrained_still_loads():
     import adaspan.hf
 
     assert adaspan.hf.load_model is adaspan.hf.load_pretrained
+
+
+def test_spans_per_key_value_head_are_saved_and_loaded_as_such(tmp_path):
+    model = add_spans(tiny_hf("llama"), max_span=32, ramp=4, per_kv_head=True)
+    for span, row in zip(span_modules(model), [[5, 17], [24, 9]], strict=True):
+        span.set_spans(torch.tensor(row, dtype=torch.float32))
+    save_model(model, tmp_path)
+    loaded = load_pretrained(tmp_path)
+    assert [s.n_heads for s in span_modules(loaded)] == [2, 2]
+    assert json.loads((tmp_path / "adaptive_spans.json").read_text())["per_kv_head"] is True
+    torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, atol=0, rtol=0)

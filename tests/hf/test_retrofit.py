@@ -19,6 +19,7 @@ from transformers import (
 from adaspan.cli import main
 from adaspan.config import RetrofitConfig
 from adaspan.data.corpora import load_corpus
+from adaspan.errors import ConfigError
 from adaspan.hf import load_pretrained, span_modules
 from adaspan.hf.report import REPORT_FILE, measure_retrofit
 from adaspan.hf.retrofit import Retrofit, retrofit
@@ -199,3 +200,22 @@ def test_one_writer(model_dir, tmp_path):
             retrofit(options(model_dir, out), FP32, progress=False)
     finally:
         lock.release()
+
+
+def test_spans_per_key_value_head_shrink_and_resume_a_run_saved_without_the_option(
+        model_dir, tmp_path):
+    """--per-kv-head: one span per key/value head, shrunk by the penalty; a run whose settings
+    predate the option (no per_kv_head saved) resumes as one span per query head."""
+    run = retrofit(options(model_dir, tmp_path / "kv", per_kv_head=True), FP32, progress=False)
+    kv_heads = run.model.config.num_key_value_heads
+    assert [s.n_heads for s in span_modules(run.model)] == [kv_heads] * len(z_fracs(run))
+    assert all((s.spans() < CONTEXT).all() for s in span_modules(run.model))
+    out = tmp_path / "old"
+    retrofit(options(model_dir, out, steps=2), FP32, progress=False)
+    settings = json.loads((out / "retrofit_settings.json").read_text())
+    del settings["per_kv_head"]
+    (out / "retrofit_settings.json").write_text(json.dumps(settings))
+    resumed = retrofit(options(model_dir, out, steps=4), FP32, resume=True, progress=False)
+    assert resumed.step == 4
+    with pytest.raises(ConfigError, match="per_kv_head must be true or false"):
+        options(model_dir, out, per_kv_head="yes")

@@ -46,6 +46,8 @@ def add_retrofit(commands) -> None:
                    help="the windows of each step are drawn from (seed, step)")
     p.add_argument("--checkpoint-interval", type=positive_int,
                    default=default.checkpoint_interval, help="steps between checkpoints")
+    p.add_argument("--per-kv-head", action="store_true", help="one span per key/value head, "
+                   "shared by its query heads (the penalty counts the cache held)")
     p.add_argument("--resume", action="store_true", help="continue the retrofit in --out")
     p.add_argument("--eval-bytes", type=positive_int, default=65536,
                    help="held-out bytes the report scores")
@@ -70,7 +72,7 @@ def _retrofit(args: argparse.Namespace) -> int:
     config = RetrofitConfig(
         str(args.model_dir.resolve()), resolve_data(args.data), str(args.out.resolve()),
         args.max_span, args.ramp, args.context, args.steps, args.batch_size, args.lr,
-        args.span_loss, args.loss, args.seed, args.checkpoint_interval)
+        args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head)
     run = retrofit(config, choose(args.dtype, args.device, "train"), args.resume,
                    progress=not args.no_progress)
     report = measure_retrofit(run, choose(args.dtype, args.device, "score"), args.eval_bytes,

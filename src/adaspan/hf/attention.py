@@ -48,8 +48,8 @@ def attached_spans(model: nn.Module) -> list[AdaptiveSpan]:
 
 
 def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                            attention_mask: Tensor | None, scaling: float | None = None,
-                            dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+                       attention_mask: Tensor | None, scaling: float | None = None,
+                       dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
     """``AttentionInterface`` function: query (B, Hq, M, d), key and value (B, Hkv, T, d);
     returns the output (B, M, Hq, d) and no weights."""
     if _probe is not None:  # add_spans is finding the attention modules: plain causal attention
@@ -64,21 +64,32 @@ def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if attention_mask is not None:
         raise UserError("adaptive_span attention takes no prepared attention mask (a 4D mask "
                         "was given): pass a 2D mask of ones, or none")
+    heads = query.shape[1]
     log_mask = None if torch.is_grad_enabled() else decode_mask(span, query)
-    out = span_attention(query, key, value, lambda: span(query), max_span=span.max_span,
-                         ramp=span.ramp, scale=scaling, dropout=dropout,
-                         training=module.training, z_host=span.host_z, log_mask=log_mask)
+    out = span_attention(query, key, value, lambda: per_query_head(span(query), heads),
+                         max_span=span.max_span, ramp=span.ramp, scale=scaling, dropout=dropout,
+                         training=module.training,
+                         z_host=lambda: per_query_head(span.host_z(), heads), log_mask=log_mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+def per_query_head(z: Tensor | list[float], heads: int) -> Tensor | list[float]:
+    """A span's z for ``heads`` query heads: as it is where it has one per query head, else one
+    per key/value head (``add_spans(per_kv_head=True)``), each repeated for the query heads that
+    read that key/value head. ``z``: (B|1, h, M|1) on the device, or h floats on the host."""
+    if isinstance(z, Tensor):
+        return z if z.shape[1] == heads else z.repeat_interleave(heads // z.shape[1], dim=1)
+    return z if len(z) == heads else [x for x in z for _ in range(heads // len(z))]
 
 
 def decode_mask(span: AdaptiveSpan, query: Tensor) -> Tensor:
     """The log-mask of :func:`span_log_mask` over the span's longest window, on the device of
     ``query``: built once per value of z' (its version) and device, then reused (no read of
     z)."""
-    version = (span.version(), query.device)
+    version = (span.version(), query.device, query.shape[1])
     cached = getattr(span, "_decode_mask", None)
     if cached is None or cached[0] != version:
-        z = span.host_z()
+        z = per_query_head(span.host_z(), query.shape[1])
         mask = span_log_mask(z, key_window(max(z), span.max_span, span.ramp), span.ramp)
         span._decode_mask = cached = (version, mask.to(query.device))
     return cached[1]

@@ -212,7 +212,7 @@ def _check_out(out: Path, config: RetrofitConfig, resume: bool) -> None:
             raise RetrofitError(f"{out} holds no retrofit to resume ({STATE_FILE} is missing)")
         saved = json.loads(settings.read_text())
         differ = [f.name for f in fields(config)
-                  if f.name != "steps" and saved.get(f.name) != getattr(config, f.name)]
+                  if f.name != "steps" and saved.get(f.name, f.default) != getattr(config, f.name)]
         if differ:
             raise RetrofitError(f"{out} was retrofitted with other options ({', '.join(differ)})"
                                 "; resume it with the same ones")
@@ -228,7 +228,7 @@ def prepare(config: RetrofitConfig, resume: bool, device: torch.device) -> Retro
     model, tokenizer = load_frozen(config.model_dir)
     model.to(device)
     original = model.config._attn_implementation
-    add_spans(model, config.span_limit, config.ramp, init=1.0)
+    add_spans(model, config.span_limit, config.ramp, init=1.0, per_kv_head=config.per_kv_head)
     optimizer = torch.optim.Adam(span_parameters(model), lr=config.lr)
     retrofit = Retrofit(config, model, tokenizer, original, train_tokens(config, tokenizer),
                         optimizer)

@@ -16,12 +16,14 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from ..errors import UserError
-from .attention import attached_spans
+from .attention import attached_spans, per_query_head
 
 
 def head_windows(model: nn.Module) -> list[list[int]]:
-    """Keys each query head needs, min(S, ceil(z + R)), per layer in layer order."""
-    return [span.windows(None) for span in attached_spans(model)]
+    """Keys each query head needs, min(S, ceil(z + R)), per layer in layer order (with spans
+    per key/value head, each of those heads' for its query heads)."""
+    heads = model.config.num_attention_heads
+    return [per_query_head(span.windows(None), heads) for span in attached_spans(model)]
 
 
 def windows(model: nn.Module) -> list[int]:

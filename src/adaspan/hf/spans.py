@@ -66,19 +66,28 @@ def _check_max_span(model: nn.Module, max_span: int | None, windows: list[int]) 
 
 
 def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, init: float = 1.0,
-              per_layer: bool = False) -> nn.Module:
+              per_layer: bool = False, per_kv_head: bool = False) -> nn.Module:
     """Attach an ``AdaptiveSpan`` (S = ``max_span``, ramp R, z' = ``init``) to every attention
-    module of ``model`` and switch it to the ``adaptive_span`` attention; returns ``model``."""
+    module of ``model`` and switch it to the ``adaptive_span`` attention; returns ``model``.
+    One z per query head, or per layer (``per_layer``), or per key/value head, shared by the
+    query heads that read it (``per_kv_head``: the span penalty then counts the positions the
+    cache holds)."""
     require("ramp", ramp, lambda r: isinstance(r, int) and r >= 1, "a positive integer")
     require("init", init, lambda z: 0.0 <= z <= 1.0, "z' = z / max_span in [0, 1]")
+    if per_layer and per_kv_head:
+        raise ConfigError("per_layer and per_kv_head exclude each other: one z per layer, or "
+                          "one per key/value head")
     modules, windows = _attention_modules(model)
     max_span = _check_max_span(model, max_span, windows)
     n_heads = model.config.num_attention_heads
+    if per_kv_head:
+        n_heads = getattr(model.config, "num_key_value_heads", None) or n_heads
     param = next(model.parameters())
     for module in modules:
         span = AdaptiveSpan(n_heads, max_span, ramp, init=init, per_layer=per_layer)
         setattr(module, NAME, span.to(device=param.device))
-    model.config.adaptive_span = {"max_span": max_span, "ramp": ramp, "per_layer": per_layer}
+    model.config.adaptive_span = {"max_span": max_span, "ramp": ramp, "per_layer": per_layer,
+                                  "per_kv_head": per_kv_head}
     model.set_attn_implementation(NAME)
     return model
 
@@ -109,6 +118,7 @@ def load_spans(model: nn.Module, directory: str | Path) -> nn.Module:
     try:
         settings = json.loads((directory / SETTINGS_FILE).read_text())
         options = {key: settings[key] for key in ("max_span", "ramp", "per_layer")}
+        options["per_kv_head"] = settings.get("per_kv_head", False)  # before 0.13: per query head
         tensors = load_file(str(directory / SPANS_FILE))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"no spans in {directory}: {one_line(exc)}") from None
