@@ -85,12 +85,12 @@ def test_span_loss_and_clamp():
     assert spans[0].z_frac.max().item() == 1.0
 
 
-def test_a_padded_batch_and_a_prepared_mask_are_refused():
+def test_padding_with_gradients_and_a_prepared_mask_are_refused():
     model = add_spans(tiny_hf("llama"))
     mask = torch.ones_like(IDS)
     torch.testing.assert_close(model(IDS, attention_mask=mask).logits, model(IDS).logits)
     mask[0, :3] = 0
-    with pytest.raises(UserError, match="padding"):
+    with pytest.raises(UserError, match="without gradients only"):
         model(IDS, attention_mask=mask)
     with pytest.raises(UserError, match="4D mask"):
         model(IDS, attention_mask=torch.ones(2, 1, 40, 40, dtype=torch.bool))

@@ -147,7 +147,8 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
                    scale: float | None = None, dropout: float = 0.0, training: bool = False,
                    bounds: Bounds | None = None, layout: HeadLayout | None = None,
                    memory: tuple[Tensor, Tensor] | None = None, log_mask: Tensor | None = None,
-                   backend: str = "auto", z_min: float | None = None,
+                   key_mask: Tensor | None = None, backend: str = "auto",
+                   z_min: float | None = None,
                    z_host: list[float] | Callable[[], list[float]] | None = None) -> Tensor:
     """Eqs. 1-3 of the M newest positions over the keys ``origin`` .. ``origin + S - 1``
     positions behind each. Returns (B, Hq, M, d) in the dtype of q.
@@ -168,16 +169,19 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
     windows (S, or bucketed, possibly longer than ``ceil(z + R)``) replaces them. ``memory``:
     keys (Hq, d, N) and values (Hq, N, d) joined to every query's softmax without mask or
     position, scored q . key (the caller folds in any scale; band backend only).
-    ``log_mask``: the decode backend's (Hq, W) of :func:`span_log_mask`. ``backend``: one of
-    :data:`BACKENDS`; a fused kernel that cannot run these heads falls back to band.
+    ``log_mask``: the decode backend's (Hq, W) of :func:`span_log_mask`. ``key_mask``: (B, T),
+    False for keys that are not there (a padded batch's pads), which then weigh 0: the decode
+    backend, whatever the number of queries (a query without any key, a pad's own, gets finite
+    weights). ``backend``: one of :data:`BACKENDS`; a fused kernel that cannot run these heads
+    falls back to band.
     """
     kv = k if isinstance(k, KeysValues) else KeysValues(k, v)
     B, Hq, M, d = q.shape
     T, Hkv = _check(q, kv, pos, max_span, origin)
     scale = d**-0.5 if scale is None else scale
-    choice = choose_backend(q, backend, memory, log_mask, training and dropout > 0)
+    choice = choose_backend(q, backend, memory, log_mask, training and dropout > 0, key_mask)
     if choice == "decode":
-        return _decode(q, *kv.pair(), log_mask, origin, pos, scale)
+        return _decode(q, *kv.pair(), log_mask, origin, pos, scale, key_mask)
     if scale != d**-0.5:  # the band and fused kernels scale by d ** -0.5
         q = q * (scale * d**0.5)
     z = z() if callable(z) else z
@@ -194,13 +198,19 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
 
 
 def choose_backend(q: Tensor, backend: str, memory: object = None,
-                   log_mask: Tensor | None = None, drops: bool = False) -> str:
+                   log_mask: Tensor | None = None, drops: bool = False,
+                   key_mask: Tensor | None = None) -> str:
     """The backend a call takes: ``backend``, or for ``"auto"`` decode where a log-mask is given
     for at most :data:`DECODE_QUERIES` queries without gradients or dropout, else fused on CUDA
     with Triton installed, else band; band wherever memory keys are joined, and for fused on a
-    device that could not run the kernel."""
+    device that could not run the kernel; decode wherever keys are masked (``key_mask``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if key_mask is not None:
+        if log_mask is None or memory is not None:
+            raise ValueError("a key_mask needs the decode backend: give its log_mask (and no "
+                             "memory keys)")
+        return "decode"
     if backend == "auto":
         decodes = (log_mask is not None and q.shape[2] <= DECODE_QUERIES and not drops
                    and not torch.is_grad_enabled())
@@ -316,7 +326,7 @@ def span_log_mask(z: Tensor | Sequence[float], window: int, ramp: float,
 
 
 def _decode(q: Tensor, k: Tensor, v: Tensor, log_mask: Tensor, origin: int,
-            pos: Tensor | None, scale: float) -> Tensor:
+            pos: Tensor | None, scale: float, key_mask: Tensor | None = None) -> Tensor:
     """The decode backend: every head at once over the keys the longest window W sees,
     log m_z(o) (``log_mask`` (Hq, W)) plus the scores in one product, a softmax (float32),
     times v; grouped-query heads read their key head without copying it (q as
@@ -331,6 +341,9 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, log_mask: Tensor, origin: int,
     if pos is not None:  # q . p of each pair's own table row, scaled
         p = pos[:W].to(q.dtype)[(o - origin).clamp(0, W - 1)]  # (M, n, d)
         mask = mask + scale * torch.einsum("bhmd,mnd->bhmn", q, p)
+    if key_mask is not None:  # the finite least: a query without keys weighs them alike
+        absent = ~key_mask[:, None, None, T - n:].to(q.device, torch.bool)
+        mask = mask.masked_fill(absent, torch.finfo(mask.dtype).min)
     rows = Hq // Hkv * M
     keys, values = (t[:, :, T - n:].reshape(B * Hkv, n, d) for t in (k, v))
     scores = torch.baddbmm(mask.reshape(B * Hkv, rows, n), q.reshape(B * Hkv, rows, d),

@@ -61,16 +61,30 @@ def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if span is None:
         raise UserError(f"{type(module).__name__} has no span: attach them with "
                         "adaspan.hf.add_spans(model) (or load with adaspan.hf.load_pretrained)")
-    if attention_mask is not None:
-        raise UserError("adaptive_span attention takes no prepared attention mask (a 4D mask "
-                        "was given): pass a 2D mask of ones, or none")
+    key_mask = _key_mask(attention_mask, key.shape[2])
     heads = query.shape[1]
     log_mask = None if torch.is_grad_enabled() else decode_mask(span, query)
     out = span_attention(query, key, value, lambda: per_query_head(span(query), heads),
                          max_span=span.max_span, ramp=span.ramp, scale=scaling, dropout=dropout,
                          training=module.training,
-                         z_host=lambda: per_query_head(span.host_z(), heads), log_mask=log_mask)
+                         z_host=lambda: per_query_head(span.host_z(), heads), log_mask=log_mask,
+                         key_mask=key_mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _key_mask(attention_mask: Tensor | None, keys: int) -> Tensor | None:
+    """Which of the last ``keys`` positions are tokens, from the padding mask (B, positions
+    seen) that :func:`adaptive_span_mask` hands on; None without padding. A prepared 4D mask,
+    and padding with gradients (training takes unpadded windows), are refused."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise UserError("adaptive_span attention takes no prepared attention mask (a 4D mask "
+                        "was given): pass the 2D padding mask, or none")
+    if torch.is_grad_enabled():
+        raise UserError("adaptive_span attention masks padding without gradients only "
+                        "(generation, evaluation): train on unpadded windows")
+    return attention_mask[:, -keys:]
 
 
 def per_query_head(z: Tensor | list[float], heads: int) -> Tensor | list[float]:
@@ -98,16 +112,16 @@ def decode_mask(span: AdaptiveSpan, query: Tensor) -> Tensor:
 def adaptive_span_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                        kv_offset: int = 0, attention_mask: Tensor | None = None,
                        **kwargs) -> None:
-    """``AttentionMaskInterface`` function: no mask (span attention is causal by the keys'
-    distances, the queries' own keys last); refuses padding, which span attention does not
-    mask, and a cache whose keys do not end at the queries (a static cache)."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise UserError("adaptive_span attention does not mask padding: give one unpadded "
-                        "sequence per row (batches of equal lengths, or batch size 1)")
+    """``AttentionMaskInterface`` function: span attention is causal by the keys' distances,
+    the queries' own keys last, so no mask is made; a padding mask (a 2D mask with a zero,
+    over every position seen) is handed on as it is, each layer taking its last keys' part.
+    A cache whose keys do not end at the queries (a static cache) is refused."""
     if int(q_offset) + q_length != int(kv_offset) + kv_length:
         raise UserError("adaptive_span attention needs the queries' keys last: use a "
                         "DynamicCache or adaspan.hf.SpanCache, not a static cache")
-    return None
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return attention_mask
 
 
 def register() -> None:
