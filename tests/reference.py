@@ -133,12 +133,13 @@ def reference_hf_logits(model, ids: Tensor) -> Tensor:
 def reference_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, max_span: int,
                              ramp: float, pos: Tensor | None = None,
                              scale: float | None = None, origin: int = 0,
-                             memory: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                             memory: tuple[Tensor, Tensor] | None = None,
+                             key_mask: Tensor | None = None) -> Tensor:
     """``span_attention`` over every key at once, in float64: the key heads repeated for the
     query heads (``repeat_kv``), scores of all M x T pairs, s = scale q . (k_j + p_{x - origin})
     at offset x = T - M + i - j, weights m_z(x) exp(s) / sum m_z exp(s) over
     origin <= x < origin + S (eq. 2); ``memory`` keys (Hq, d, N) and values (Hq, N, d) join
-    the sum with weights exp(q . key)."""
+    the sum with weights exp(q . key); keys where ``key_mask`` (B, T) is False weigh 0."""
     B, Hq, M, d = q.shape
     T, G = k.shape[2], Hq // k.shape[1]
     k, v = (t.repeat_interleave(G, dim=1).double() for t in (k, v))
@@ -152,6 +153,8 @@ def reference_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, 
         scores = scores + scale * torch.einsum("bhmd,mtd->bhmt", q, p)
     zz = torch.full((B, Hq, M), math.inf) if z is None else z.double().expand(B, Hq, M)
     mask = ((ramp + zz[..., None] - x) / ramp).clamp(0, 1) * visible  # m_z(x), 0 if hidden
+    if key_mask is not None:
+        mask = mask * key_mask[:, None, None, :].double()
     if memory is not None:
         keys, values = (m.double() for m in memory)
         scores = torch.cat([scores, q @ keys], dim=-1)

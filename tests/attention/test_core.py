@@ -274,3 +274,24 @@ def test_spans_given_on_the_host_read_nothing_from_the_device(monkeypatch):
     host = [1.3, 5.7, 13.2, 7.5] * 2
     out = span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos, z_host=host)
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("origin", [0, 1])
+@pytest.mark.parametrize("Hq,Hkv,M,T", [(4, 4, 40, 48), (8, 2, 1, 30), (4, 1, 3, 12)])
+def test_masked_keys_weigh_nothing(Hq, Hkv, M, T, origin):
+    """A key mask (a left-padded batch's pads): the decode backend, whatever the number of
+    queries, gives the reference's output with those keys left out."""
+    (q, k, v, _, pos), z = _decode_case(Hq, Hkv, M, T, True, torch.float32)
+    host = z.flatten().tolist()
+    log_mask = span_log_mask(host, key_window(max(host), S, R), R, origin=origin)
+    key_mask = torch.ones(2, T, dtype=torch.bool)
+    key_mask[1, : T - M - 1] = False  # row 1: every key before its queries' own is a pad
+    key_mask[0, :2] = False
+    with torch.no_grad():
+        out = span_attention(q, k, v, z, max_span=S, ramp=R, pos=pos, origin=origin,
+                             log_mask=log_mask, key_mask=key_mask)
+    expected = reference_span_attention(q, k, v, z, S, R, pos=pos, origin=origin,
+                                        key_mask=key_mask)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs the decode backend"):
+        span_attention(q, k, v, z, max_span=S, ramp=R, key_mask=key_mask)
