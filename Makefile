@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-hf-oldest lint bench clean
 
 install: $(VENV)/.installed
 
@@ -20,8 +20,17 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -n 2 tests
 
+# the Hugging Face tests on the oldest transformers adaspan.hf supports, laid over the
+# environment's own (its dependencies as that version asks)
+HF_OLDEST := transformers==5.17.0
+test-hf-oldest: install
+	$(BIN)/pip install --quiet --disable-pip-version-check --target .hf-oldest --no-deps \
+		$(HF_OLDEST) "huggingface-hub>=1.5,<2"
+	$(BIN)/pip install --quiet --disable-pip-version-check --target .hf-oldest httpx
+	PYTHONPATH=.hf-oldest $(BIN)/python -m pytest -n 2 tests/hf
+
 lint: install
 	$(BIN)/ruff check src tests
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .hf-oldest

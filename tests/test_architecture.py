@@ -46,6 +46,7 @@ LAYERS = {
     "measure/report": 24,
     "measure/__init__": 24,
     "experiments/compare": 25, "experiments/demo": 25, "experiments/__init__": 25,
+    "hf/support": 25.5,
     "hf/attention": 26,
     "hf/span_cache": 27, "hf/spans": 27,
     "hf/retrofit": 28,

@@ -27,7 +27,7 @@ import time
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from adaspan.hf import SpanCache, add_spans, kv_bytes, span_modules
+from adaspan.hf import SpanCache, add_spans, cache_argument, kv_bytes, span_modules
 
 
 def build(args: argparse.Namespace, positions: int) -> tuple:
@@ -48,12 +48,12 @@ def build(args: argparse.Namespace, positions: int) -> tuple:
 def decode(model, cache, prompt: torch.Tensor, new: int) -> dict:
     """Prefill ``prompt``, then ``new`` greedy tokens one forward each: seconds and bytes."""
     tic = time.perf_counter()
-    logits = model(prompt, cache=cache, use_cache=True).logits
+    logits = model(prompt, **cache_argument(model, cache), use_cache=True).logits
     prefill = time.perf_counter() - tic
     tic = time.perf_counter()
     for _ in range(new):
         token = logits[:, -1:].argmax(-1)
-        logits = model(token, cache=cache, use_cache=True).logits
+        logits = model(token, **cache_argument(model, cache), use_cache=True).logits
     return {"prefill_s": prefill, "decode_tokens_per_s": new / (time.perf_counter() - tic),
             "kv_bytes": kv_bytes(cache)}
 

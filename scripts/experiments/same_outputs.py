@@ -123,6 +123,7 @@ def hf_outputs(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
     import transformers
 
     from adaspan.hf import SpanCache, add_spans, span_modules
+    from adaspan.hf.span_cache import cache_argument
 
     if kind == "gpt2":
         config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
@@ -145,7 +146,8 @@ def hf_outputs(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
     for i, span in enumerate(span_modules(model)):
         yield f"hf-{kind}/grad/span{i}", span.z_frac.grad
     out = model.generate(ids[:1, :30], max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                         cache=SpanCache(model), return_dict_in_generate=True, output_logits=True)
+                         **cache_argument(model, SpanCache(model)),
+                         return_dict_in_generate=True, output_logits=True)
     yield f"hf-{kind}/generate", torch.stack(out.logits)
 
 

@@ -10,7 +10,7 @@ from helpers import HF_KINDS, tiny_hf
 from reference import reference_hf_logits
 
 from adaspan.errors import ConfigError, UserError
-from adaspan.hf import add_spans, clamp_spans, span_loss, span_modules
+from adaspan.hf import add_spans, cache_argument, clamp_spans, span_loss, span_modules
 
 IDS = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
 SPANS = [[3.0, 7.5, 12.0, 30.0], [5.0, 9.0, 20.0, 2.0]]  # per layer and head, R = 4
@@ -152,8 +152,9 @@ def test_decoding_without_gradients_builds_the_mask_once_per_value_of_z(monkeypa
                 span.set_spans(span.spans().flip(0))
         with torch.no_grad():
             cache = DynamicCache()
-            logits = [model(IDS[:, :34], cache=cache).logits]  # 34 > 32: span_attention
-            logits += [model(IDS[:, t:t + 1], cache=cache).logits for t in range(34, 40)]
+            logits = [model(IDS[:, :34], **cache_argument(model, cache)).logits]  # band
+            logits += [model(IDS[:, t:t + 1], **cache_argument(model, cache)).logits
+                       for t in range(34, 40)]
             expected = reference_hf_logits(model, IDS)
         torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-5, rtol=0)
         assert len(built) == 2 * rounds  # two layers

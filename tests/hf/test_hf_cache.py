@@ -16,7 +16,7 @@ from helpers import HF_KINDS, tiny_hf
 from transformers import DynamicCache
 
 from adaspan.errors import UserError
-from adaspan.hf import SpanCache, add_spans, kv_bytes, span_modules, windows
+from adaspan.hf import SpanCache, add_spans, cache_argument, kv_bytes, span_modules, windows
 
 PROMPT = torch.randint(0, 64, (1, 50), generator=torch.Generator().manual_seed(3))
 NEW = 30
@@ -24,7 +24,8 @@ NEW = 30
 
 def greedy(model, cache):
     out = model.generate(PROMPT, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                         cache=cache, return_dict_in_generate=True, output_logits=True)
+                         **cache_argument(model, cache), return_dict_in_generate=True,
+                         output_logits=True)
     return out.sequences, torch.stack(out.logits)
 
 
@@ -60,7 +61,8 @@ def test_the_cache_holds_no_more_than_the_window_however_long_the_text():
     model = add_spans(tiny_hf("qwen3", positions=512), max_span=512, ramp=4, init=0.0)
     cache = SpanCache(model)
     assert windows(model) == [4, 4]
-    model.generate(PROMPT, max_new_tokens=100, min_new_tokens=100, do_sample=False, cache=cache)
+    model.generate(PROMPT, max_new_tokens=100, min_new_tokens=100, do_sample=False,
+                   **cache_argument(model, cache))
     assert cache.get_seq_length() == 149
     assert kv_bytes(cache) == 2 * 2 * 3 * 2 * 8 * 4  # layers, keys and values, R - 1 keys
 
@@ -74,9 +76,10 @@ def test_beam_search_reorders_the_kept_positions(spans, padded):
     for span in span_modules(model):
         span.set_spans(torch.tensor(spans))
     options = dict(max_new_tokens=12, min_new_tokens=12, num_beams=3, do_sample=False)
-    expected = model.generate(PROMPT, cache=DynamicCache(), **options)
+    expected = model.generate(PROMPT, **cache_argument(model, DynamicCache()), **options)
     cache = SpanCache(model)
-    assert torch.equal(model.generate(PROMPT, cache=cache, **options), expected)
+    assert torch.equal(model.generate(PROMPT, **cache_argument(model, cache), **options),
+                       expected)
     assert [layer.padded for layer in cache.layers] == [padded] * 2
     held = 2 * 29 if padded else 29 + 11
     assert kv_bytes(cache) == 2 * 2 * 3 * held * 8 * 4  # layers, keys and values, beams

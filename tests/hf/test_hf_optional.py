@@ -20,3 +20,11 @@ def test_adaspan_hf_without_transformers_says_how_to_install_it():
                "from adaspan.errors import UserError\n"
                "try:\n    import adaspan.hf\nexcept UserError as e:\n    print(e)")
     assert done.stdout == "adaspan.hf needs transformers: pip install 'adaspan[hf]'\n", done.stderr
+
+
+def test_an_older_transformers_is_refused_in_one_line_naming_the_range():
+    done = run("import transformers; transformers.__version__ = '5.10.2'\n"
+               "from adaspan.errors import UserError\n"
+               "try:\n    import adaspan.hf\nexcept UserError as e:\n    print(e)")
+    assert done.stdout == ("adaspan.hf needs transformers 5.17 or newer (tested: 5.17 and "
+                           "5.24), found 5.10.2: pip install 'transformers>=5.17'\n"), done.stderr

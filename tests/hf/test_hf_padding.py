@@ -9,7 +9,7 @@ import torch
 from helpers import tiny_hf
 from transformers import DynamicCache
 
-from adaspan.hf import SpanCache, add_spans, span_modules
+from adaspan.hf import SpanCache, add_spans, cache_argument, span_modules
 
 LENGTHS = [30, 22, 15]
 PROMPTS = [torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
@@ -53,7 +53,8 @@ def test_a_padded_batch_generates_what_each_prompt_does_alone(kind, cache):
 
     def greedy(ids, mask=None):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
-                             do_sample=False, pad_token_id=0, cache=cache(model),
+                             do_sample=False, pad_token_id=0,
+                             **cache_argument(model, cache(model)),
                              return_dict_in_generate=True, output_logits=True)
         return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1)
 

@@ -13,23 +13,16 @@ The Hugging Face feature sits above the rest of the package (it reads ``attentio
 ``data``, ``training``'s runtime and ``measure``'s tables) and needs ``transformers``.
 """
 
-from ..errors import UserError
-
-try:
-    import transformers  # noqa: F401
-except ImportError:
-    raise UserError("adaspan.hf needs transformers: pip install 'adaspan[hf]'") from None
-
 from ..attention.span import clamp_spans, span_loss
+from . import support  # noqa: F401 (before transformers is used: a missing or old one refused)
 from .attention import NAME, register, span_modules
-from .span_cache import SpanCache, SpanLayer, head_windows, kv_bytes, windows
+from .span_cache import SpanCache, SpanLayer, cache_argument, head_windows, kv_bytes, windows
 from .spans import add_spans, load_pretrained, load_spans, save_model, save_spans
 
 load_model = load_pretrained  # its name before 0.13
 
 register()
 
-__all__ = ["NAME", "SpanCache", "SpanLayer", "add_spans", "clamp_spans", "head_windows",
-           "kv_bytes", "load_model", "load_pretrained", "load_spans", "save_model", "save_spans",
-           "span_loss",
-           "span_modules", "windows"]
+__all__ = ["NAME", "SpanCache", "SpanLayer", "add_spans", "cache_argument", "clamp_spans",
+           "head_windows", "kv_bytes", "load_model", "load_pretrained", "load_spans",
+           "save_model", "save_spans", "span_loss", "span_modules", "windows"]

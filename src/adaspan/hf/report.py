@@ -32,7 +32,7 @@ from ..measure.tables import span_table
 from ..runtime.precision import Precision
 from .attention import span_modules
 from .retrofit import Retrofit, encode, full_attention
-from .span_cache import SpanCache, kv_bytes
+from .span_cache import SpanCache, cache_argument, kv_bytes
 
 REPORT_FILE = "retrofit.json"
 TABLE_FILE = "retrofit.md"
@@ -87,10 +87,10 @@ def full_cache_bytes(model_config, context: int, element_size: int) -> int:
 @torch.no_grad()
 def _decode(model: nn.Module, prompt: Tensor, cache, new_tokens: int) -> float:
     """Seconds to decode ``new_tokens`` greedy tokens after ``prompt`` (its prefill untimed)."""
-    token = model(input_ids=prompt[None], cache=cache).logits[:, -1:].argmax(-1)
+    token = model(input_ids=prompt[None], **cache_argument(model, cache)).logits[:, -1:].argmax(-1)
     start = time.perf_counter()
     for _ in range(new_tokens):
-        token = model(input_ids=token, cache=cache).logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, **cache_argument(model, cache)).logits[:, -1:].argmax(-1)
     return time.perf_counter() - start
 
 

@@ -10,6 +10,9 @@ every position it has seen as its length, so positions (rotary or learned) stay 
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
@@ -17,6 +20,19 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from ..errors import UserError
 from .attention import attached_spans, per_query_head
+
+
+def cache_argument(model: nn.Module, cache: Cache) -> dict[str, Cache]:
+    """``{keyword: cache}`` for ``model``'s forward and ``generate``: the keyword is ``cache``
+    where this transformers names it so (5.2x), ``past_key_values`` where it does not (5.17),
+    which would ignore the other one."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def head_windows(model: nn.Module) -> list[list[int]]:
