@@ -154,8 +154,8 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
     positions behind each. Returns (B, Hq, M, d) in the dtype of q.
 
     q: (B, Hq, M, d); k, v: (B, Hkv, T, d), T >= M + origin, the last M keys the queries' own,
-    query head
-    h reading key head h // (Hq / Hkv); or ``k`` a :class:`KeysValues` and ``v`` None.
+    query head h reading key head h // (Hq / Hkv); or ``k`` a :class:`KeysValues` and ``v``
+    None.
     z: None (every key in reach weighs 1) or the span, broadcastable to (B, Hq, M), or a
     function that gives it (called only by the backends that read z, not by decode). ``pos``:
     the table (S, d) of p by offset (row o - origin), None for no position product (rotary
@@ -164,8 +164,8 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
 
     The windows come from each head's greatest z on the host: ``bounds`` (each head's least and
     greatest z), else ``z_host`` (each head's z, the same for every row and query, or a
-    function that gives it, called only where z is read), else read
-    from z (one host read; ``z_min``, the least z, halves it). A ``layout`` of the caller's
+    function that gives it, called only where z is read), else read from z (one host read;
+    ``z_min``, the least z, saves reading the least). A ``layout`` of the caller's
     windows (S, or bucketed, possibly longer than ``ceil(z + R)``) replaces them. ``memory``:
     keys (Hq, d, N) and values (Hq, N, d) joined to every query's softmax without mask or
     position, scored q . key (the caller folds in any scale; band backend only).
