@@ -109,6 +109,16 @@ def fused_outputs() -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"{name}/grad/{parameter}", value.grad
 
 
+def cache_argument(model, cache) -> dict:
+    """The keyword the installed transformers takes a cache by (adaspan 0.13's
+    ``adaspan.hf.cache_argument``; before it, ``cache``)."""
+    try:
+        from adaspan.hf import cache_argument as argument
+    except ImportError:
+        return {"cache": cache}
+    return argument(model, cache)
+
+
 def bf16_outputs() -> Iterator[tuple[str, torch.Tensor]]:
     """Training steps and decoded tokens under bf16 autocast (the CPU's training precision)."""
     for name in ("adaptive", "rotary", "persistent"):
@@ -123,7 +133,6 @@ def hf_outputs(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
     import transformers
 
     from adaspan.hf import SpanCache, add_spans, span_modules
-    from adaspan.hf.span_cache import cache_argument
 
     if kind == "gpt2":
         config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
