@@ -203,14 +203,14 @@ class SpanAttention(Attention):
             return KeysValues(*(self._heads(proj(states)) for proj in (self.k, self.v))), new_cache
         return _ProjectedKeysValues(self, past, x), new_cache
 
-    def _group_rows(self, group: HeadGroup) -> slice | Tensor:
-        """The rows of W_k, W_v of the key/value heads ``group`` reads (made once per layout)."""
+    def _group_rows(self, group: HeadGroup, device: torch.device) -> slice | Tensor:
+        """The rows of W_k, W_v of the key/value heads ``group`` reads, on ``device`` (made
+        once per layout)."""
         rows = self._rows.get(group.members)
         if rows is None:
             G, dh = self.n_heads // self.kv_heads, self.d_head
             rows = self._rows[group.members] = head_index(
-                [h // G * dh + i for h in group.members for i in range(dh)],
-                self._last_layout[0][1])
+                [h // G * dh + i for h in group.members for i in range(dh)], device)
         return rows
 
     def _heads(self, t: Tensor) -> Tensor:
@@ -246,7 +246,7 @@ class _ProjectedKeysValues(KeysValues):
     def window(self, group: HeadGroup, start: int) -> tuple[Tensor, Tensor]:
         if self.block is None:
             self.block = self.attn.k(self.x), self.attn.v(self.x)  # (B, M, Hkv dh) each
-        rows = self.attn._group_rows(group)
+        rows = self.attn._group_rows(group, self.x.device)
         return tuple(
             self.attn._heads(torch.cat([F.linear(self.past[:, start:], proj.weight[rows]),
                                         projected[..., rows]], dim=1))

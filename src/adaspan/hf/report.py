@@ -24,8 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import Tensor, nn
+from transformers import DynamicCache
 
+from .._version import __version__
 from ..data.corpora import load_corpus
 from ..data.files import atomic_write
 from ..measure.tables import span_table
@@ -33,6 +36,7 @@ from ..runtime.precision import Precision
 from .attention import span_modules
 from .retrofit import Retrofit, encode, full_attention
 from .span_cache import SpanCache, cache_argument, kv_bytes
+from .spans import key_value_heads
 
 REPORT_FILE = "retrofit.json"
 TABLE_FILE = "retrofit.md"
@@ -79,26 +83,25 @@ def full_cache_bytes(model_config, context: int, element_size: int) -> int:
     """Bytes of every key and value of ``context`` tokens:
     layers * 2 * kv_heads * context * d_head * element_size."""
     heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     d_head = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    return model_config.num_hidden_layers * 2 * kv_heads * context * d_head * element_size
+    return (model_config.num_hidden_layers * 2 * key_value_heads(model_config) * context
+            * d_head * element_size)
 
 
 @torch.no_grad()
 def _decode(model: nn.Module, prompt: Tensor, cache, new_tokens: int) -> float:
     """Seconds to decode ``new_tokens`` greedy tokens after ``prompt`` (its prefill untimed)."""
-    token = model(input_ids=prompt[None], **cache_argument(model, cache)).logits[:, -1:].argmax(-1)
+    argument = cache_argument(model, cache)
+    token = model(input_ids=prompt[None], **argument).logits[:, -1:].argmax(-1)
     start = time.perf_counter()
     for _ in range(new_tokens):
-        token = model(input_ids=token, **cache_argument(model, cache)).logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, **argument).logits[:, -1:].argmax(-1)
     return time.perf_counter() - start
 
 
 def caches(run: Retrofit, prompt: Tensor, new_tokens: int, rounds: int) -> dict:
     """Key/value bytes after ``prompt`` and decode tokens/s after it, the full cache and the
     span cache alternated ``rounds`` times."""
-    from transformers import DynamicCache
-
     model, seconds = run.model, {"full": [], "spans": []}
     for _ in range(rounds):
         with full_attention(model, run.original):
@@ -114,8 +117,8 @@ def caches(run: Retrofit, prompt: Tensor, new_tokens: int, rounds: int) -> dict:
 
 
 def measure_retrofit(run: Retrofit, precision: Precision, eval_bytes: int = 65536,
-            new_tokens: int = 64, rounds: int = 3,
-            timing: AbstractContextManager | None = None) -> dict:
+                     new_tokens: int = 64, rounds: int = 3,
+                     timing: AbstractContextManager | None = None) -> dict:
     """The report's numbers (see the module docstring); the decode timings run within
     ``timing`` (a lock that keeps other benchmarks out, say)."""
 
@@ -135,10 +138,6 @@ def measure_retrofit(run: Retrofit, precision: Precision, eval_bytes: int = 6553
 
 
 def _versions() -> dict[str, str]:
-    import transformers
-
-    from .._version import __version__
-
     return {"adaspan": __version__, "torch": torch.__version__,
             "transformers": transformers.__version__}
 

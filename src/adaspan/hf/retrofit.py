@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging
 
 from ..attention.span import clamp_spans, span_loss
 from ..config import RetrofitConfig
@@ -49,8 +51,6 @@ class RetrofitError(UserError):
 def load_frozen(model_dir: str) -> tuple[nn.Module, object]:
     """The causal LM and tokenizer saved in ``model_dir`` (fp32, evaluation mode, every
     weight frozen); a directory that does not load is a one-line UserError."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not Path(model_dir).is_dir():
         raise UserError(f"no model directory at {model_dir}")
     try:
@@ -193,8 +193,6 @@ class Retrofit:
 @contextmanager
 def _transformers_bars(shown: bool) -> Iterator[None]:
     """transformers' progress bars (loading, saving) shown or not within the block."""
-    from transformers.utils import logging
-
     before = logging.is_progress_bar_enabled()
     (logging.enable_progress_bar if shown else logging.disable_progress_bar)()
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from ..attention.span import AdaptiveSpan
 from ..errors import ConfigError, UserError, one_line, require
@@ -65,6 +66,12 @@ def _check_max_span(model: nn.Module, max_span: int | None, windows: list[int]) 
     return max_span
 
 
+def key_value_heads(config) -> int:
+    """A model's key/value heads per layer: ``num_key_value_heads``, or its query heads where
+    the config has none (GPT-2)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, init: float = 1.0,
               per_layer: bool = False, per_kv_head: bool = False) -> nn.Module:
     """Attach an ``AdaptiveSpan`` (S = ``max_span``, ramp R, z' = ``init``) to every attention
@@ -79,9 +86,7 @@ def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, ini
                           "one per key/value head")
     modules, windows = _attention_modules(model)
     max_span = _check_max_span(model, max_span, windows)
-    n_heads = model.config.num_attention_heads
-    if per_kv_head:
-        n_heads = getattr(model.config, "num_key_value_heads", None) or n_heads
+    n_heads = key_value_heads(model.config) if per_kv_head else model.config.num_attention_heads
     param = next(model.parameters())
     for module in modules:
         span = AdaptiveSpan(n_heads, max_span, ramp, init=init, per_layer=per_layer)
@@ -136,8 +141,6 @@ def load_spans(model: nn.Module, directory: str | Path) -> nn.Module:
 def load_pretrained(directory: str | Path, **from_pretrained: object) -> nn.Module:
     """The causal LM saved in ``directory`` (:func:`save_model`) with its spans attached;
     keyword arguments go to ``AutoModelForCausalLM.from_pretrained``."""
-    from transformers import AutoModelForCausalLM
-
     try:
         model = AutoModelForCausalLM.from_pretrained(str(directory), **from_pretrained)
     except (OSError, ValueError, KeyError) as exc:

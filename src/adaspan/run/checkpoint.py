@@ -51,7 +51,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .._version import __version__
+from .._version import __version__, version_tuple
 from ..attention.cache import StreamCache
 from ..config import ConfigError, ModelConfig, TrainConfig
 from ..data.corpora import resolve_data
@@ -314,16 +314,11 @@ def _refuse_positionless_grouped_heads(path: Path, config: dict) -> None:
     function (RunDirError)."""
     model, version = config["model"], str(config.get("adaspan_version", "0"))
     grouped = model.get("kv_heads") not in (None, model.get("n_heads"))
-    if grouped and model.get("position_table") != "rotary" and _version_tuple(version) < (0, 13):
+    if grouped and model.get("position_table") != "rotary" and version_tuple(version) < (0, 13):
         raise RunDirError(
             f"{path}: saved by adaspan {version}, whose grouped-query layers (kv_heads) read no "
             "position table; from 0.13.0 they read it, so these weights would compute another "
             "model: train it again, or use adaspan 0.12 for this run")
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    """``"0.12.0"`` as ``(0, 12, 0)`` (the leading numbers of each part)."""
-    return tuple(int(re.match(r"\d*", part)[0] or 0) for part in version.split("."))
 
 
 def stored_form(config: TrainConfig) -> TrainConfig:
