@@ -107,12 +107,12 @@ def reference_hf_attention(module, query: Tensor, key: Tensor, value: Tensor, at
                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """A ``transformers`` attention function: :func:`reference_span_attention` with z = S z'
     read from the parameters of ``module.adaptive_span`` (a span per key/value head read by
-    each of its query heads). Returns (B, M, H, d), no weights."""
+    each of its query heads; its sinks, over every key). Returns (B, M, H, d), no weights."""
     span = module.adaptive_span
     z = (span.max_span * span.z_frac.clamp(0, 1)).expand(span.n_heads).view(1, -1, 1)
     z = z.repeat_interleave(query.shape[1] // span.n_heads, dim=1)
     out = reference_span_attention(query, key, value, z, span.max_span, span.ramp,
-                                   scale=scaling)
+                                   scale=scaling, sinks=getattr(span, "sinks", 0))
     return out.to(query.dtype).transpose(1, 2), None
 
 
@@ -134,12 +134,14 @@ def reference_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, 
                              ramp: float, pos: Tensor | None = None,
                              scale: float | None = None, origin: int = 0,
                              memory: tuple[Tensor, Tensor] | None = None,
-                             key_mask: Tensor | None = None) -> Tensor:
+                             key_mask: Tensor | None = None, sinks: int = 0) -> Tensor:
     """``span_attention`` over every key at once, in float64: the key heads repeated for the
     query heads (``repeat_kv``), scores of all M x T pairs, s = scale q . (k_j + p_{x - origin})
     at offset x = T - M + i - j, weights m_z(x) exp(s) / sum m_z exp(s) over
     origin <= x < origin + S (eq. 2); ``memory`` keys (Hq, d, N) and values (Hq, N, d) join
-    the sum with weights exp(q . key); keys where ``key_mask`` (B, T) is False weigh 0."""
+    the sum with weights exp(q . key); keys where ``key_mask`` (B, T) is False weigh 0; the
+    first ``sinks`` keys (the sequence's first positions) weigh 1 for every query at or after
+    them (x >= origin), whatever its span."""
     B, Hq, M, d = q.shape
     T, G = k.shape[2], Hq // k.shape[1]
     k, v = (t.repeat_interleave(G, dim=1).double() for t in (k, v))
@@ -153,6 +155,8 @@ def reference_span_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, 
         scores = scores + scale * torch.einsum("bhmd,mtd->bhmt", q, p)
     zz = torch.full((B, Hq, M), math.inf) if z is None else z.double().expand(B, Hq, M)
     mask = ((ramp + zz[..., None] - x) / ramp).clamp(0, 1) * visible  # m_z(x), 0 if hidden
+    sink = (torch.arange(T)[None, :] < sinks) & (x >= origin)
+    mask = torch.where(sink, 1.0, mask)
     if key_mask is not None:
         mask = mask * key_mask[:, None, None, :].double()
     if memory is not None:

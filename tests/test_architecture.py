@@ -23,6 +23,7 @@ LAYERS = {
     "attention/_fused_kernels": 1, "attention/span": 1, "attention/cache": 1,
     "attention/rotary": 1,
     "attention/fused": 2, "attention/registry": 2, "attention/band": 2,
+    "attention/sinks": 2,
     "attention/core": 2.5, "attention/functional": 2.75,
     "attention/span_attention": 3,
     "attention/baselines": 4, "attention/expire": 4, "attention/persistent": 4,

@@ -39,7 +39,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import fused
+from . import sinks as sink_part
 from .band import banded_attention, log_soft_mask
+from .sinks import Sinks
 from .span import head_bounds, key_window
 
 BACKENDS = ("auto", "band", "fused", "decode")
@@ -147,8 +149,8 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
                    scale: float | None = None, dropout: float = 0.0, training: bool = False,
                    bounds: Bounds | None = None, layout: HeadLayout | None = None,
                    memory: tuple[Tensor, Tensor] | None = None, log_mask: Tensor | None = None,
-                   key_mask: Tensor | None = None, backend: str = "auto",
-                   z_min: float | None = None,
+                   key_mask: Tensor | None = None, sinks: Sinks | None = None,
+                   backend: str = "auto", z_min: float | None = None,
                    z_host: list[float] | Callable[[], list[float]] | None = None) -> Tensor:
     """Eqs. 1-3 of the M newest positions over the keys ``origin`` .. ``origin + S - 1``
     positions behind each. Returns (B, Hq, M, d) in the dtype of q.
@@ -173,15 +175,19 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
     False for keys that are not there (a padded batch's pads), which then weigh 0: the decode
     backend, whatever the number of queries (a query without any key, a pad's own, gets finite
     weights). ``backend``: one of :data:`BACKENDS`; a fused kernel that cannot run these heads
-    falls back to band.
+    falls back to band. ``sinks``: the keys and values of the sequence's first positions, which
+    weigh 1 for every query they precede (:mod:`adaspan.attention.sinks`; no table, no memory
+    keys, no key mask; band or decode).
     """
     kv = k if isinstance(k, KeysValues) else KeysValues(k, v)
     B, Hq, M, d = q.shape
     T, Hkv = _check(q, kv, pos, max_span, origin)
+    _check_sinks(sinks, pos, memory, key_mask)
     scale = d**-0.5 if scale is None else scale
-    choice = choose_backend(q, backend, memory, log_mask, training and dropout > 0, key_mask)
+    choice = choose_backend(q, backend, memory, log_mask, training and dropout > 0, key_mask,
+                            sinks is not None)
     if choice == "decode":
-        return _decode(q, *kv.pair(), log_mask, origin, pos, scale, key_mask)
+        return _decode(q, *kv.pair(), log_mask, origin, pos, scale, key_mask, sinks)
     if scale != d**-0.5:  # the band and fused kernels scale by d ** -0.5
         q = q * (scale * d**0.5)
     z = z() if callable(z) else z
@@ -194,16 +200,18 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
         out = _fused(q, kv, z, layout, ramp, origin, pos, dropout if training else 0.0)
         if out is not None:
             return out
-    return _band(q, kv, z, bounds, layout, ramp, origin, pos, dropout, training, memory)
+    extra = _Extra(memory, sinks, max_span, d**-0.5)
+    return _band(q, kv, z, bounds, layout, ramp, origin, pos, dropout, training, extra)
 
 
 def choose_backend(q: Tensor, backend: str, memory: object = None,
                    log_mask: Tensor | None = None, drops: bool = False,
-                   key_mask: Tensor | None = None) -> str:
+                   key_mask: Tensor | None = None, sinks: bool = False) -> str:
     """The backend a call takes: ``backend``, or for ``"auto"`` decode where a log-mask is given
     for at most :data:`DECODE_QUERIES` queries without gradients or dropout, else fused on CUDA
     with Triton installed, else band; band wherever memory keys are joined, and for fused on a
-    device that could not run the kernel; decode wherever keys are masked (``key_mask``)."""
+    device that could not run the kernel, and band for fused with ``sinks``; decode wherever
+    keys are masked (``key_mask``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if key_mask is not None:
@@ -215,7 +223,7 @@ def choose_backend(q: Tensor, backend: str, memory: object = None,
         decodes = (log_mask is not None and q.shape[2] <= DECODE_QUERIES and not drops
                    and not torch.is_grad_enabled())
         backend = "decode" if decodes else "fused" if q.is_cuda and fused.available() else "band"
-    if memory is not None or (backend == "fused" and q.device in _refused):
+    if memory is not None or (backend == "fused" and (sinks or q.device in _refused)):
         return "band"
     return backend
 
@@ -241,11 +249,39 @@ def _layout(bounds: Bounds | None, H: int, group_size: int, max_span: int, ramp:
     return HeadLayout.of([key_window(g, max_span, ramp) for g in bounds[1]], device, group_size)
 
 
+@dataclass(frozen=True)
+class _Extra:
+    """Keys the band backend joins to its softmax: memory keys or sinks (or none)."""
+
+    memory: tuple[Tensor, Tensor] | None
+    sinks: Sinks | None
+    max_span: int
+    scale: float  # the band kernel's, d ** -0.5: q carries any other
+
+    @property
+    def joined(self) -> bool:
+        return self.memory is not None or self.sinks is not None
+
+    def part(self, q: Tensor, group: HeadGroup, z: Tensor | None, ramp: float,
+             origin: int) -> tuple[Tensor, Tensor]:
+        """The logits (B, h, M, N) and values of the joined keys for ``group``'s queries ``q``;
+        z: the group's (B|1, h, M|1), or None."""
+        if self.memory is not None:
+            keys, values = (m[group.heads] for m in self.memory)
+            return q @ keys, values
+        sinks = self.sinks
+        offsets = sinks.offsets(q.shape[2], q.device)
+        weights = sink_part.band_weights(z, offsets, ramp, origin, self.max_span)
+        logits = sink_part.scores(q, sinks.k[:, group.kv], weights, offsets, origin, self.scale)
+        return logits, sinks.v[:, group.kv]
+
+
 def _band(q: Tensor, kv: KeysValues, z: Tensor | None, bounds: Bounds | None,
           layout: HeadLayout, ramp: float, origin: int, pos: Tensor | None, dropout: float,
-          training: bool, memory: tuple[Tensor, Tensor] | None) -> Tensor:
+          training: bool, extra: _Extra) -> Tensor:
     """The band backend: each head group over its window with the band kernel, whose distance
-    d = o + 1 - origin (its z is z + 1 - origin, its table row d - 1 that of offset o)."""
+    d = o + 1 - origin (its z is z + 1 - origin, its table row d - 1 that of offset o), joined
+    to the ``extra`` keys' softmax."""
     T, M, shift = kv.shape[2], q.shape[2], 1 - origin
     outputs = []
     for group in layout.groups:
@@ -261,27 +297,16 @@ def _band(q: Tensor, kv: KeysValues, z: Tensor | None, bounds: Bounds | None,
         table = None if pos is None else pos[:w].to(q.dtype)
         out = banded_attention(q[:, group.heads], k, v, table, zg, ramp, dropout, training,
                                z_min=z_least, window=w, start=max(-lo, 0),
-                               normaliser=memory is not None)
-        if memory is not None:
-            out = _join_memory(q[:, group.heads], *out, *(m[group.heads] for m in memory),
-                               dropout, training)
+                               normaliser=extra.joined)
+        if extra.joined:
+            own_z = None if z is None else z[:, group.heads]
+            part = extra.part(q[:, group.heads], group, own_z, ramp, origin)
+            out = sink_part.join(*out, *part, dropout, training)
         outputs.append(out)
     if len(outputs) == 1:
         return outputs[0].to(q.dtype)
     out = torch.cat(outputs, dim=1)
     return (out if layout.order is None else out[:, layout.order]).to(q.dtype)
-
-
-def _join_memory(q: Tensor, context: Tensor, l_c: Tensor, keys: Tensor, values: Tensor,
-                 dropout: float, training: bool) -> Tensor:
-    """The output of one softmax over the context keys and the memory keys: the context
-    output y^c (log-normaliser l^c) and the memory's, y^p = softmax_n(q . k_n) v (l^p),
-    mixed by their shares, y = sigma(l^c - l^p) y^c + sigma(l^p - l^c) y^p (dropout on the
-    weights commutes with that scaling)."""
-    u = (q @ keys).to(l_c.dtype)
-    weights = F.dropout(torch.softmax(u, dim=-1), dropout, training)
-    share = torch.sigmoid(l_c - torch.logsumexp(u, dim=-1))[..., None].to(context.dtype)
-    return torch.lerp((weights.to(values.dtype) @ values).to(context.dtype), context, share)
 
 
 _refused: set[torch.device] = set()  # devices that cannot run the fused kernel
@@ -326,11 +351,12 @@ def span_log_mask(z: Tensor | Sequence[float], window: int, ramp: float,
 
 
 def _decode(q: Tensor, k: Tensor, v: Tensor, log_mask: Tensor, origin: int,
-            pos: Tensor | None, scale: float, key_mask: Tensor | None = None) -> Tensor:
+            pos: Tensor | None, scale: float, key_mask: Tensor | None = None,
+            sinks: Sinks | None = None) -> Tensor:
     """The decode backend: every head at once over the keys the longest window W sees,
     log m_z(o) (``log_mask`` (Hq, W)) plus the scores in one product, a softmax (float32),
     times v; grouped-query heads read their key head without copying it (q as
-    (B Hkv, G M, d))."""
+    (B Hkv, G M, d)). ``sinks`` join the keys in front, weighed log(1 - b)."""
     B, Hq, M, d = q.shape
     Hkv, T, W = k.shape[1], k.shape[2], log_mask.shape[1]
     n = min(T, W + M - 1 + origin)  # the keys some query sees
@@ -345,7 +371,14 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, log_mask: Tensor, origin: int,
         absent = ~key_mask[:, None, None, T - n:].to(q.device, torch.bool)
         mask = mask.masked_fill(absent, torch.finfo(mask.dtype).min)
     rows = Hq // Hkv * M
-    keys, values = (t[:, :, T - n:].reshape(B * Hkv, n, d) for t in (k, v))
+    keys, values = (t[:, :, T - n:] for t in (k, v))
+    if sinks is not None:
+        offsets = sinks.offsets(M, q.device)
+        front = sink_part.decode_logits(log_mask, offsets, origin).to(mask.dtype)
+        mask = torch.cat([front.expand(B, Hq, M, -1), mask], dim=-1)
+        keys, values = torch.cat([sinks.k, keys], dim=2), torch.cat([sinks.v, values], dim=2)
+        n += sinks.k.shape[2]
+    keys, values = (t.reshape(B * Hkv, n, d) for t in (keys, values))
     scores = torch.baddbmm(mask.reshape(B * Hkv, rows, n), q.reshape(B * Hkv, rows, d),
                            keys.transpose(1, 2), alpha=scale)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
@@ -394,6 +427,13 @@ def _check(q: Tensor, kv: KeysValues, pos: Tensor | None, max_span: int,
         raise ValueError(f"max_span must be at least 1 and origin 0 or 1, got {max_span} "
                          f"and {origin}")
     return T, Hkv
+
+
+def _check_sinks(sinks: Sinks | None, pos: Tensor | None, memory: object,
+                 key_mask: Tensor | None) -> None:
+    """Sinks go with positions in q and k (no table), without memory keys or a key mask."""
+    if sinks is not None and (pos is not None or memory is not None or key_mask is not None):
+        raise ValueError("sinks take no table of positions, memory keys or key mask")
 
 
 def _per_head(z: Tensor, B: int, H: int, M: int) -> Tensor:

@@ -21,6 +21,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention.core import span_attention, span_log_mask
+from ..attention.sinks import Sinks
 from ..attention.span import AdaptiveSpan, key_window
 from ..errors import UserError
 
@@ -62,14 +63,38 @@ def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Ten
         raise UserError(f"{type(module).__name__} has no span: attach them with "
                         "adaspan.hf.add_spans(model) (or load with adaspan.hf.load_pretrained)")
     key_mask = _key_mask(attention_mask, key.shape[2])
+    key, value, sinks = _sinks(span, key, value, query.shape[2], key_mask, kwargs)
     heads = query.shape[1]
     log_mask = None if torch.is_grad_enabled() else decode_mask(span, query)
     out = span_attention(query, key, value, lambda: per_query_head(span(query), heads),
                          max_span=span.max_span, ramp=span.ramp, scale=scaling, dropout=dropout,
                          training=module.training,
                          z_host=lambda: per_query_head(span.host_z(), heads), log_mask=log_mask,
-                         key_mask=key_mask)
+                         key_mask=key_mask, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sinks(span: AdaptiveSpan, key: Tensor, value: Tensor, queries: int,
+           key_mask: Tensor | None, kwargs: dict) -> tuple[Tensor, Tensor, Sinks | None]:
+    """The keys and values of the span's sinks apart from the others: the first positions a
+    ``SpanCache`` handed (``span.handed``: how many, and the position of the first query), or
+    the first of every position (a cache that keeps them all, or none)."""
+    n = getattr(span, "sinks", 0)
+    handed = span.__dict__.pop("handed", None)
+    if not n:
+        return key, value, None
+    if key_mask is not None:
+        raise UserError("attention sinks take batches without padding")
+    if handed is not None:
+        held, first = handed
+        sinks = Sinks(key[:, :, :held], value[:, :, :held], first)
+        return key[:, :, held:], value[:, :, held:], sinks
+    first = key.shape[2] - queries
+    positions = kwargs.get("position_ids")
+    if positions is not None and int(positions[..., -1].max()) != key.shape[2] - 1:
+        raise UserError("attention sinks need every position's key, or adaspan.hf.SpanCache: "
+                        "this cache dropped some")
+    return key, value, Sinks(key[:, :, :n], value[:, :, :n], first)
 
 
 def _key_mask(attention_mask: Tensor | None, keys: int) -> Tensor | None:

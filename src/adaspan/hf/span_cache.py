@@ -52,18 +52,22 @@ PADDED_WASTE = 1 / 8  # the most padding, per position kept, of a layer held as 
 
 class SpanLayer(DynamicSlidingWindowLayer):
     """The keys and values of one layer: key/value head g keeps its last ``kept[g]`` positions,
-    all heads side by side in one tensor (B, sum of kept, d) so that transformers' batch
-    operations (beam search's reordering, selecting rows) apply unchanged. ``update`` hands the
-    attention (B, Hkv, L + M, d), L the longest kept, shorter heads padded at the front with
-    copies of their newest key (finite; beyond every window of the head, so weighed 0).
+    and the sequence's first ``sinks`` positions where the span has sinks, all heads side by
+    side in one tensor (B, rows, d) so that transformers' batch operations (beam search's
+    reordering, selecting rows) apply unchanged. ``update`` hands the attention
+    (B, Hkv, sinks + L + M, d), L the longest kept, shorter heads padded after the sinks with
+    copies of their newest key (finite; beyond every window of the head, so weighed 0), and
+    tells the span how many sinks lead (``span.handed``).
 
-    Where padding every head to L holds at most ``PADDED_WASTE`` more positions than the heads
-    keep (``padded``: key/value heads of near spans), the layer keeps (B, Hkv, L, d) instead,
-    transformers' sliding window of L + 1: one concatenation per update, no join."""
+    Without sinks, where padding every head to L holds at most ``PADDED_WASTE`` more positions
+    than the heads keep (``padded``: key/value heads of near spans), the layer keeps
+    (B, Hkv, L, d) instead, transformers' sliding window of L + 1: one concatenation per
+    update, no join."""
 
-    def __init__(self, query_windows: list[int]) -> None:
+    def __init__(self, query_windows: list[int], span: nn.Module | None = None) -> None:
         super().__init__(sliding_window=max(query_windows))
         self.query_windows = query_windows
+        self.span, self.sinks = span, getattr(span, "sinks", 0)
         self.kept: list[int] = []  # positions kept per key/value head, set by the first update
         self._index_cache: tuple = ()  # (lengths, M, device), then the indices of the last join
 
@@ -74,7 +78,8 @@ class SpanLayer(DynamicSlidingWindowLayer):
         self.kept = [max(self.query_windows[g * group:(g + 1) * group]) - 1
                      for g in range(kv_heads)]
         longest = max(self.kept)
-        self.padded = 0 < kv_heads * longest <= (1 + PADDED_WASTE) * sum(self.kept)
+        self.padded = (not self.sinks
+                       and 0 < kv_heads * longest <= (1 + PADDED_WASTE) * sum(self.kept))
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
@@ -86,34 +91,45 @@ class SpanLayer(DynamicSlidingWindowLayer):
         self.cumulative_length += key_states.shape[-2]
         keys, self.keys = self._join(self.keys, key_states, seen)
         values, self.values = self._join(self.values, value_states, seen)
+        if self.sinks:
+            self.span.handed = (min(self.sinks, self.cumulative_length), seen)
         return keys, values
 
     def _join(self, held: Tensor, new: Tensor, seen: int) -> tuple[Tensor, Tensor]:
-        """(the held positions and ``new`` per head, padded: (B, Hkv, L + M, d); what each head
-        keeps of them, side by side), by two index operations (:meth:`_indices`)."""
+        """(the held positions and ``new`` per head, padded: (B, Hkv, sinks + L + M, d); what
+        each head keeps of them, side by side), by two index operations (:meth:`_indices`)."""
         B, H, M, d = new.shape
         lengths = tuple(min(n, seen) for n in self.kept)
-        spread, keep = self._indices(lengths, M, new.device)
-        parts = [held, new.reshape(B, H * M, d)] if sum(lengths) else [new.reshape(B, H * M, d)]
+        spread, keep = self._indices(lengths, seen, M, new.device)
+        rows = H * min(self.sinks, seen) + sum(lengths)
+        parts = [held, new.reshape(B, H * M, d)] if rows else [new.reshape(B, H * M, d)]
         joined = torch.cat(parts, dim=1).index_select(1, spread).view(B, H, -1, d)
         return joined, joined.view(B, -1, d).index_select(1, keep)
 
-    def _indices(self, lengths: tuple[int, ...], M: int, device: torch.device
+    def _indices(self, lengths: tuple[int, ...], seen: int, M: int, device: torch.device
                  ) -> tuple[Tensor, Tensor]:
-        """Rows of [held; new] for each head's L + M positions (padding: a row of its own,
-        finite, beyond every query's window), and the positions each head keeps: those of the
-        last call kept (the same every token once the windows are full)."""
-        key = (lengths, M, device)
+        """Rows of [held; new] for each head's sinks + L + M positions (held: every head's
+        sinks, then each head's window; padding: a row of its own, finite, beyond every
+        query's window), and the rows kept: the sinks, then those of the windows (the same
+        every token once the windows are full)."""
+        before, after = min(self.sinks, seen), min(self.sinks, seen + M)
+        key = (lengths, before, after, M, device)
         if self._index_cache[:1] != (key,):
-            L, held = max(lengths), sum(lengths)
-            spread, keep, offset = [], [], 0
+            H, L = len(lengths), max(lengths)
+            held, width = H * before + sum(lengths), after + L + M
+            spread, sinks, windows, offset = [], [], [], H * before
             for g, n in enumerate(lengths):
                 first_new = held + g * M
+                spread += [g * before + p if p < before else first_new + p - seen
+                           for p in range(after)]
                 spread += [first_new] * (L - n) + list(range(offset, offset + n))
                 spread += range(first_new, first_new + M)
-                keep += range(g * (L + M) + max(0, L + M - self.kept[g]), (g + 1) * (L + M))
+                sinks += range(g * width, g * width + after)
+                windows += range(g * width + after + max(0, L + M - self.kept[g]),
+                                 (g + 1) * width)
                 offset += n
-            self._index_cache = (key, *(torch.tensor(i, device=device) for i in (spread, keep)))
+            self._index_cache = (key, *(torch.tensor(i, device=device)
+                                        for i in (spread, sinks + windows)))
         return self._index_cache[1:]
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -123,11 +139,13 @@ class SpanLayer(DynamicSlidingWindowLayer):
 
 class SpanCache(DynamicCache):
     """``DynamicCache`` whose layers are :class:`SpanLayer` of the model's spans
-    (:func:`head_windows`). Built for the spans of the moment: build a new one after the spans
-    change."""
+    (:func:`head_windows`, and the spans' sinks). Built for the spans of the moment: build a
+    new one after the spans change."""
 
     def __init__(self, model: nn.Module) -> None:
-        Cache.__init__(self, layers=[SpanLayer(w) for w in head_windows(model)])
+        layers = [SpanLayer(w, span) for w, span in zip(head_windows(model),
+                                                         attached_spans(model), strict=True)]
+        Cache.__init__(self, layers=layers)
 
 
 def kv_bytes(cache: DynamicCache) -> int:

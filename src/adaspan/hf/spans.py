@@ -73,13 +73,15 @@ def key_value_heads(config) -> int:
 
 
 def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, init: float = 1.0,
-              per_layer: bool = False, per_kv_head: bool = False) -> nn.Module:
+              per_layer: bool = False, per_kv_head: bool = False, sinks: int = 0) -> nn.Module:
     """Attach an ``AdaptiveSpan`` (S = ``max_span``, ramp R, z' = ``init``) to every attention
     module of ``model`` and switch it to the ``adaptive_span`` attention; returns ``model``.
     One z per query head, or per layer (``per_layer``), or per key/value head, shared by the
     query heads that read it (``per_kv_head``: the span penalty then counts the positions the
-    cache holds)."""
+    cache holds). The first ``sinks`` positions of a sequence weigh 1 for every query,
+    whatever its span (attention sinks)."""
     require("ramp", ramp, lambda r: isinstance(r, int) and r >= 1, "a positive integer")
+    require("sinks", sinks, lambda n: isinstance(n, int) and n >= 0, "a whole number")
     require("init", init, lambda z: 0.0 <= z <= 1.0, "z' = z / max_span in [0, 1]")
     if per_layer and per_kv_head:
         raise ConfigError("per_layer and per_kv_head exclude each other: one z per layer, or "
@@ -90,9 +92,10 @@ def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, ini
     param = next(model.parameters())
     for module in modules:
         span = AdaptiveSpan(n_heads, max_span, ramp, init=init, per_layer=per_layer)
+        span.sinks = sinks  # read by the attention function and SpanCache
         setattr(module, NAME, span.to(device=param.device))
     model.config.adaptive_span = {"max_span": max_span, "ramp": ramp, "per_layer": per_layer,
-                                  "per_kv_head": per_kv_head}
+                                  "per_kv_head": per_kv_head, "sinks": sinks}
     model.set_attn_implementation(NAME)
     return model
 
@@ -124,6 +127,7 @@ def load_spans(model: nn.Module, directory: str | Path) -> nn.Module:
         settings = json.loads((directory / SETTINGS_FILE).read_text())
         options = {key: settings[key] for key in ("max_span", "ramp", "per_layer")}
         options["per_kv_head"] = settings.get("per_kv_head", False)  # before 0.13: per query head
+        options["sinks"] = settings.get("sinks", 0)  # before 0.14: none
         tensors = load_file(str(directory / SPANS_FILE))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"no spans in {directory}: {one_line(exc)}") from None
