@@ -50,6 +50,7 @@ LAYERS = {
     "hf/support": 25.5,
     "hf/attention": 26,
     "hf/span_cache": 27, "hf/spans": 27,
+    "hf/budget": 27.5,
     "hf/retrofit": 28,
     "hf/report": 29, "hf/__init__": 29,
     "cli/options": 30,
