@@ -1,0 +1,104 @@
+"""Hard windows on a Hugging Face model, as the baselines of learned spans hold them:
+StreamingLLM (Xiao et al. 2024: the first ``sinks`` positions and the last ``window`` in every
+head) and the deployed pattern of DuoAttention (Xiao et al. 2025: per key/value head, every
+position, or sinks and a recent window).
+
+A hard window of w positions is a span of ramp R = 1 and z = w - 1: m_z(x) = 1 for the
+offsets x <= w - 1 and 0 from x = w on (eq. 2), so the span attention, ``SpanCache`` and the
+byte accounting of :mod:`adaspan.hf.budget` serve these baselines unchanged. Within
+:func:`hard_windows` the model reads its windows; after it, the model is as before (its own
+spans, or none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..attention.span import AdaptiveSpan
+from ..errors import UserError
+from .attention import NAME, span_modules
+from .spans import add_spans, key_value_heads
+
+
+def exact_fraction(z: int, max_span: int) -> float:
+    """A float32 z' with S z' exactly ``z`` in float32 (so that the window is z + 1, not one
+    more), the nearest below where none is exact."""
+    frac = torch.tensor(z / max_span, dtype=torch.float32)
+    for _ in range(64):
+        product = (max_span * frac).item()
+        if product == z or (product < z and (max_span * torch.nextafter(
+                frac, torch.tensor(1.0))).item() > z):
+            return frac.item()
+        frac = torch.nextafter(frac, torch.tensor(-1.0 if product > z else 1.0))
+    return frac.item()
+
+
+def _window_span(windows: Sequence[int], max_span: int, sinks: int) -> AdaptiveSpan:
+    """A span of ramp 1 per key/value head whose windows are ``windows`` (capped at S)."""
+    span = AdaptiveSpan(len(windows), max_span, 1)
+    with torch.no_grad():
+        span.z_frac.copy_(torch.tensor([exact_fraction(min(w, max_span) - 1, max_span)
+                                        for w in windows]))
+    span.sinks = sinks
+    return span
+
+
+@contextmanager
+def hard_windows(model: nn.Module, windows: Sequence[Sequence[int]], sinks: int = 0
+                 ) -> Iterator[nn.Module]:
+    """Within the block, key/value head g of layer l reads its last ``windows[l][g]``
+    positions (every one weighed 1; S or more: every position up to S) and the sequence's
+    first ``sinks``; SpanCache holds exactly those. The model's own spans, settings and
+    attention come back after the block."""
+    kv = key_value_heads(model.config)
+    had_spans = bool(span_modules(model))
+    previous = (model.config._attn_implementation, getattr(model.config, "adaptive_span", None))
+    modules = _attention_modules(model) if had_spans else None
+    old = [getattr(m, NAME) for m in modules] if had_spans else []
+    if not had_spans:
+        add_spans(model, ramp=1, per_kv_head=True, sinks=sinks)
+        modules = _attention_modules(model)
+    if len(windows) != len(modules) or any(len(w) != kv for w in windows):
+        _restore(model, modules, old, previous)
+        raise UserError(f"windows must give {len(modules)} layers of {kv} key/value heads")
+    max_span = getattr(modules[0], NAME).max_span
+    device = next(model.parameters()).device
+    for module, row in zip(modules, windows, strict=True):
+        setattr(module, NAME, _window_span(row, max_span, sinks).to(device))
+    model.config.adaptive_span = {"max_span": max_span, "ramp": 1, "per_layer": False,
+                                  "per_kv_head": True, "sinks": sinks}
+    try:
+        yield model
+    finally:
+        _restore(model, modules, old, previous)
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that carry a span, in layer order."""
+    return [m for m in model.modules() if isinstance(getattr(m, NAME, None), AdaptiveSpan)]
+
+
+def _restore(model: nn.Module, modules: list[nn.Module], old: list[nn.Module],
+             previous: tuple) -> None:
+    """Give the modules their spans back (``old``), or none; the config its settings."""
+    for i, module in enumerate(modules):
+        if old:
+            setattr(module, NAME, old[i])
+        else:
+            delattr(module, NAME)
+    implementation, settings = previous
+    if settings is None:
+        del model.config.adaptive_span
+    else:
+        model.config.adaptive_span = settings
+    model.set_attn_implementation(implementation)
+
+
+def streaming_windows(model: nn.Module, window: int) -> list[list[int]]:
+    """StreamingLLM's windows: ``window`` in every key/value head of every layer."""
+    layers = model.config.num_hidden_layers
+    return [[window] * key_value_heads(model.config) for _ in range(layers)]
