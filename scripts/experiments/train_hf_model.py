@@ -11,6 +11,13 @@ random windows of ``--context`` bytes of the train split, validation scores the 
 directory holds a ``ByT5Tokenizer`` (byte b is id b + 3 after pad, eos, unk), so
 ``AutoTokenizer.from_pretrained(out)`` encodes text as the model was trained. Each log line is
 one JSON record (step, seconds, loss in bits per byte, learning rate).
+
+With ``--retrieval P`` a share P of the steps trains on synthetic retrieval prompts instead
+(``adaspan.hf.needles``: ``--tasks``, by default pass-key and single needle), each followed by
+its answer, at lengths drawn from ``--lengths``, with haystacks from the train split (the first
+``--haystack-bytes``), depths uniform in [0, 1] and seeds from 10**6 on (evaluation seeds start
+at 0); a step holds about ``--tokens-per-step`` tokens (rows = tokens / length), and the
+answer's tokens weigh ``--answer-weight`` in the loss.
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
 from adaspan.data.corpora import load_corpus
+from adaspan.hf.needles import Haystack, make
 
 OFFSET = 3  # ByT5: pad 0, eos 1, unk 2, then the 256 bytes
+TRAIN_SEEDS = 10**6  # retrieval prompts of training draw their seeds from here on
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,7 +62,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=1, help="torch's CPU threads (0: its default)")
     add("--bf16", action="store_true", help="bf16 autocast (fast where the CPU has bf16)")
     add("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    add("--retrieval", type=float, default=0.0, help="share of steps on retrieval prompts")
+    add("--tasks", default="passkey,single_needle", help="retrieval tasks (adaspan.hf.needles)")
+    add("--lengths", default=None, help="retrieval prompt lengths (default: --context)")
+    add("--tokens-per-step", type=int, default=8192, help="tokens of a retrieval step")
+    add("--answer-weight", type=float, default=1.0, help="loss weight of an answer's tokens")
+    add("--haystack-bytes", type=int, default=2_000_000, help="train text the haystacks use")
+    args = parser.parse_args(argv)
+    args.tasks = args.tasks.split(",")
+    args.lengths = [int(n) for n in (args.lengths or str(args.context)).split(",")]
+    if max(args.lengths) > args.context:
+        parser.error("--lengths must not exceed --context")
+    return args
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
@@ -88,6 +109,35 @@ def bits_per_byte(model: LlamaForCausalLM, tokens: np.ndarray, context: int) -> 
     return total / count / math.log(2)
 
 
+def retrieval_batch(args: argparse.Namespace, haystack: Haystack, rng: np.random.Generator,
+                    step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Retrieval prompts with their answers, right-padded (pad id 0), at one length drawn
+    from ``--lengths``; and each target's loss weight (0 for pads, ``--answer-weight`` for
+    the answer's tokens)."""
+    length = int(rng.choice(args.lengths))
+    rows, weights = [], []
+    for row in range(max(1, args.tokens_per_step // length)):
+        task = args.tasks[int(rng.integers(len(args.tasks)))]
+        sample = make(task, haystack, length, float(rng.random()),
+                      TRAIN_SEEDS + step * 1000 + row)
+        answer = haystack.count_ids(" " + ", ".join(sample.answers) + ".")
+        rows.append([*sample.ids, *answer])
+        weights.append([1.0] * (len(sample.ids) - 1) + [args.answer_weight] * len(answer))
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    weight = torch.tensor([w + [0.0] * (width - 1 - len(w)) for w in weights])
+    return ids, weight
+
+
+def weighted_loss(model: LlamaForCausalLM, ids: torch.Tensor, weight: torch.Tensor
+                  ) -> torch.Tensor:
+    """Next-token NLL of ``ids`` weighed per target by ``weight`` (B, T - 1), per unit weight
+    of the prompts' own tokens."""
+    logits = model(ids).logits[:, :-1].float()
+    nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    return (nll * weight).sum() / weight.clamp(max=1).sum()
+
+
 def learning_rate(args: argparse.Namespace, step: int) -> float:
     """Linear warm-up over ``--warmup`` steps, then linear decay to 0 at ``--steps``."""
     if step < args.warmup:
@@ -106,6 +156,8 @@ def train(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     corpus = load_corpus(args.data, progress=False)
     rng = np.random.default_rng(args.seed)
+    haystack = Haystack(bytes(corpus.train[: args.haystack_bytes]).decode("utf-8", "ignore"),
+                        ByT5Tokenizer(extra_ids=0)) if args.retrieval else None
     model = build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
                                   weight_decay=0.01)
@@ -115,9 +167,13 @@ def train(args: argparse.Namespace) -> dict:
     for step in range(1, args.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step - 1)
-        x = batch(corpus.train, rng, args.batch_size, args.context)
+        retrieval = args.retrieval and rng.random() < args.retrieval
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            loss = model(x, labels=x).loss
+            if retrieval:
+                loss = weighted_loss(model, *retrieval_batch(args, haystack, rng, step))
+            else:
+                x = batch(corpus.train, rng, args.batch_size, args.context)
+                loss = model(x, labels=x).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -126,6 +182,7 @@ def train(args: argparse.Namespace) -> dict:
         if step % args.log_every == 0 or step == 1:
             print(json.dumps({"step": step, "seconds": round(seconds, 1),
                               "bpb": round(loss.item() / math.log(2), 4),
+                              "retrieval": bool(retrieval),
                               "lr": optimizer.param_groups[0]["lr"]}), flush=True)
         if step % args.save_every == 0:
             save(model, args.out)
