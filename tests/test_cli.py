@@ -351,7 +351,7 @@ def test_help_lists_the_commands(capsys):
         main(["--help"])
     listed = re.findall(r"^    (\S+)", capsys.readouterr().out, flags=re.M)
     assert listed == ["train", "evaluate", "generate", "inspect", "report", "bench", "download",
-                      "presets", "demo", "compare", "convert-official", "retrofit"]
+                      "presets", "demo", "compare", "convert-official", "retrofit", "longeval"]
 
 
 def _files(folder: Path) -> dict[str, tuple[bytes, int]]:

@@ -1,5 +1,5 @@
 """The ``adaspan`` command line: train, evaluate, generate, inspect, report, bench, download,
-presets, demo, compare, convert-official, retrofit.
+presets, demo, compare, convert-official, retrofit, longeval.
 
 A failure the user can act on (a :class:`~adaspan.errors.UserError`, an OSError, a
 MemoryError) ends with one line and exit status 2; any other exception is a bug in adaspan,
@@ -16,7 +16,7 @@ import sys
 from .._version import __version__
 from ..errors import UserError, disk_full, out_of_memory
 from ..runtime.distributed import resolve_device, use_threads
-from . import retrofit, runs, tools, train
+from . import longeval, retrofit, runs, tools, train
 from .options import DEBUG_HELP, HelpFormatter, is_main_process
 
 EXPECTED_ERRORS = (UserError, OSError, MemoryError)  # the user's to fix: one line, status 2
@@ -95,6 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (train.add_train, runs.add_evaluate, runs.add_generate, runs.add_inspect,
                 runs.add_report, tools.add_bench, tools.add_download, tools.add_presets,
                 train.add_demo, train.add_compare, tools.add_convert_official,
-                retrofit.add_retrofit):
+                retrofit.add_retrofit, longeval.add_longeval):
         add(commands)
     return parser

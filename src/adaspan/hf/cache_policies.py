@@ -1,0 +1,97 @@
+"""The cache policies of ``adaspan longeval``: how a model holds keys and values while it
+answers a prompt, by name.
+
+A policy is a :class:`CachePolicy` built for one model by the factory registered under its
+name (:func:`register_policy`, one call, where the policy is defined): ``full``
+(transformers' ``DynamicCache``) and ``spans`` (``SpanCache``) are here. A module of other
+policies registers them when imported; ``adaspan.hf.longeval`` imports adaspan's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from ..errors import UserError
+from .attention import span_modules
+from .span_cache import SpanCache
+from .spans import SETTINGS_FILE
+
+
+class CachePolicy:
+    """How one model holds keys and values while it answers a prompt. Built for the model by
+    the factory registered under its ``name`` (:func:`build_policy`); a factory refuses a
+    model the policy cannot serve (a one-line ``UserError``)."""
+
+    name = ""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def cache(self, prompt_tokens: int) -> Cache:
+        """A new cache for one prompt of ``prompt_tokens`` tokens."""
+        raise NotImplementedError
+
+    @contextmanager
+    def applied(self, prompt_tokens: int) -> Iterator[Cache]:
+        """The cache of one ``generate`` call on a prompt of ``prompt_tokens`` tokens; within
+        the block the model runs as the policy needs it (here, unchanged: a policy that
+        changes the model's attention for the call overrides this)."""
+        yield self.cache(prompt_tokens)
+
+
+class FullPolicy(CachePolicy):
+    """transformers' ``DynamicCache``: every key and value of the prompt."""
+
+    def cache(self, prompt_tokens: int) -> Cache:
+        return DynamicCache()
+
+
+class SpansPolicy(CachePolicy):
+    """``adaspan.hf.SpanCache``: per key/value head, the positions its spans can see."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if not span_modules(model):
+            raise UserError("cache policy 'spans' needs a model with spans: a directory with "
+                            f"{SETTINGS_FILE} (adaspan retrofit writes one)")
+        super().__init__(model)
+
+    def cache(self, prompt_tokens: int) -> Cache:
+        return SpanCache(self.model)
+
+
+POLICIES: dict[str, Callable[..., CachePolicy]] = {}
+
+
+def register_policy(name: str, factory: Callable[..., CachePolicy]) -> None:
+    """Make ``factory(model, **options)`` the cache policy ``name`` (``--cache name``, or
+    ``--cache name:key=value,...`` with options, handed over as text)."""
+    POLICIES[name] = factory
+
+
+def build_policy(spec: str, model: nn.Module) -> CachePolicy:
+    """The cache policy of ``spec`` (``name`` or ``name:key=value,...``) for ``model``,
+    reporting ``spec`` as its name; an unknown name or option is a one-line ``UserError``."""
+    name, _, text = spec.partition(":")
+    if name not in POLICIES:
+        raise UserError(f"unknown cache policy {name!r}; the policies are {', '.join(POLICIES)}")
+    items = [item.partition("=") for item in text.split(",") if item]
+    if any(not key or not sep for key, sep, _ in items):
+        raise UserError(f"cache policy options are key=value separated by commas, got {text!r}")
+    options = {key: value for key, _, value in items}
+    try:
+        inspect.signature(POLICIES[name]).bind(model, **options)
+    except TypeError as exc:
+        raise UserError(f"cache policy {name!r}: {exc}") from None
+    policy = POLICIES[name](model, **options)
+    policy.name = spec if options else name
+    return policy
+
+
+register_policy("full", FullPolicy)
+register_policy("spans", SpansPolicy)

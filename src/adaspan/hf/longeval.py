@@ -1,0 +1,228 @@
+"""``adaspan longeval``: a causal LM scored on synthetic long-context retrieval prompts
+(:mod:`.needles`), over a grid of tasks x lengths x depths x samples, with a cache policy.
+
+Each prompt is answered by greedy decoding (``generate``, ``do_sample=False``) of at most the
+sample's ``max_new_tokens``, and is right when every expected value is a word of the
+continuation (:func:`.needles.found`). A cache policy (:mod:`.cache_policies`) builds the
+cache of each ``generate`` call and may change the model for the call; the bytes of keys and
+values its cache holds right after the prompt (the prefill) are recorded
+(:func:`.span_cache.kv_bytes`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import Cache
+
+from .._version import __version__
+from ..data.corpora import SPLITS, load_corpus
+from ..data.files import atomic_write
+from ..errors import UserError
+from ..measure.plots import _pyplot, png_bytes
+from ..runtime.precision import Precision
+from .cache_policies import CachePolicy, build_policy
+from .needles import TASKS, Haystack, Sample, found, make
+from .retrofit import _transformers_bars, load_frozen
+from .span_cache import cache_argument, kv_bytes
+from .spans import SETTINGS_FILE, load_spans
+
+REPORT_FILE = "longeval.json"
+TABLE_FILE = "longeval.md"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The prompts of an evaluation: every task at every length and depth, ``samples`` times
+    (sample i drawn from ``seed + i``)."""
+
+    tasks: tuple[str, ...] = tuple(TASKS)
+    lengths: tuple[int, ...] = (1024, 2048)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    samples: int = 4
+    seed: int = 0
+
+    def check(self, model: nn.Module) -> None:
+        """Refuse unknown tasks and lengths beyond the model's positions (one line)."""
+        unknown = [task for task in self.tasks if task not in TASKS]
+        if unknown:
+            raise UserError(f"unknown task {unknown[0]!r}; the tasks are {', '.join(TASKS)}")
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if positions and max(self.lengths) > positions:
+            raise UserError(f"a length of {max(self.lengths)} tokens is longer than the "
+                            f"model's {positions} positions")
+
+    def points(self) -> list[tuple[str, int, float, int]]:
+        """(task, length, depth, sample) of every prompt."""
+        return list(itertools.product(self.tasks, self.lengths, self.depths,
+                                      range(self.samples)))
+
+
+def load_model_dir(model_dir: Path, device: torch.device) -> tuple[nn.Module, object]:
+    """The causal LM of ``model_dir`` (fp32, evaluation mode) with its spans where the
+    directory has them (``adaptive_spans.json``), on ``device``, and its tokenizer."""
+    model, tokenizer = load_frozen(str(model_dir))
+    if (model_dir / SETTINGS_FILE).is_file():
+        load_spans(model, model_dir)
+    return model.to(device), tokenizer
+
+
+def load_haystack(spec: str) -> str:
+    """The whole text of a corpus name or a text file (as ``--data`` of adaspan reads it)."""
+    corpus = load_corpus(spec, progress=False)
+    return b"".join(bytes(corpus.split(split)) for split in SPLITS).decode("utf-8", "ignore")
+
+
+class _PrefillBytes(LogitsProcessor):
+    """Records the bytes ``cache`` holds when the first token is chosen: after the prompt."""
+
+    def __init__(self, cache: Cache) -> None:
+        self.cache, self.bytes = cache, None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.bytes is None:
+            self.bytes = kv_bytes(self.cache)
+        return scores
+
+
+@torch.no_grad()
+def respond(model: nn.Module, sample: Sample, policy: CachePolicy, pad: int | None
+            ) -> tuple[list[int], int]:
+    """The greedy continuation of ``sample``'s prompt (at most ``max_new_tokens`` ids) and
+    the bytes of keys and values held after its prompt."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([sample.ids], device=device)
+    with policy.applied(len(sample.ids)) as cache:
+        prefill = _PrefillBytes(cache)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=sample.max_new_tokens, do_sample=False,
+                             pad_token_id=pad, logits_processor=LogitsProcessorList([prefill]),
+                             **cache_argument(model, cache))
+    return out[0, ids.shape[1]:].tolist(), prefill.bytes
+
+
+def evaluate(model: nn.Module, tokenizer, haystack: Haystack, grid: Grid, policy: CachePolicy,
+             precision: Precision, progress: bool = True) -> list[dict]:
+    """One record per prompt of ``grid``: what was asked, answered, and held. Every task and
+    depth is made once at the shortest length first: a length too short for a task, or a
+    depth outside [0, 1], fails before any prompt runs."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+        tokenizer.eos_token_id)
+    for task, depth in itertools.product(grid.tasks, grid.depths):
+        make(task, haystack, min(grid.lengths), depth, grid.seed)
+    records = []
+    for task, length, depth, i in tqdm(grid.points(), unit="prompt", dynamic_ncols=True,
+                                       disable=None if progress else True):
+        sample = make(task, haystack, length, depth, grid.seed + i)
+        with precision.applied():
+            new, held = respond(model, sample, policy, pad)
+        output = tokenizer.decode(new, skip_special_tokens=True)
+        records.append({"task": task, "length": length, "depth": depth, "sample": i,
+                        "tokens": len(sample.ids), "answers": list(sample.answers),
+                        "output": output, "correct": found(output, sample.answers),
+                        "kv_bytes": held})
+    return records
+
+
+def summarise(records: list[dict], grid: Grid) -> dict:
+    """``results``: per task and length, the accuracy per depth, its mean over depths, and the
+    mean bytes held after the prompts and prompt tokens; ``mean``: per length, the mean
+    accuracy over the tasks and the mean bytes held."""
+    def cell(task: str, length: int) -> dict:
+        mine = [r for r in records if r["task"] == task and r["length"] == length]
+        accuracy = {f"{d:g}": statistics.fmean(r["correct"] for r in mine if r["depth"] == d)
+                    for d in grid.depths}
+        return {"accuracy": accuracy, "mean": statistics.fmean(accuracy.values()),
+                "kv_bytes": round(statistics.fmean(r["kv_bytes"] for r in mine)),
+                "prompt_tokens": round(statistics.fmean(r["tokens"] for r in mine))}
+
+    tasks = {task: {str(n): cell(task, n) for n in grid.lengths} for task in grid.tasks}
+    lengths = {str(n): {
+        "accuracy": statistics.fmean(tasks[task][str(n)]["mean"] for task in grid.tasks),
+        "kv_bytes": round(statistics.fmean(r["kv_bytes"] for r in records if r["length"] == n))}
+        for n in grid.lengths}
+    return {"results": tasks, "mean": lengths}
+
+
+def longeval(model_dir: Path, haystack: str, grid: Grid, cache: str, precision: Precision,
+             progress: bool = True) -> dict:
+    """The evaluation of the model in ``model_dir`` (see the module docstring): the model,
+    haystack, cache policy and grid, the summary (:func:`summarise`), every prompt's record
+    (``prompts``), what ran."""
+    with _transformers_bars(progress):
+        model, tokenizer = load_model_dir(model_dir, precision.device)
+    grid.check(model)
+    policy = build_policy(cache, model)
+    records = evaluate(model, tokenizer, Haystack(load_haystack(haystack), tokenizer), grid,
+                       policy, precision, progress)
+    return {"model": str(model_dir), "haystack": haystack, "cache": policy.name,
+            **asdict(grid), **summarise(records, grid), "prompts": records,
+            "precision": precision.record(),
+            "versions": {"adaspan": __version__, "transformers": transformers.__version__}}
+
+
+def markdown(results: dict) -> str:
+    """The results as text: accuracy per task, length and depth, with the bytes held."""
+    depths = [f"{d:g}" for d in results["depths"]]
+    lines = [f"# Long-context retrieval of {results['model']} (cache: {results['cache']})", "",
+             "| task | length | " + " | ".join(f"depth {d}" for d in depths)
+             + " | mean | kv bytes after the prompt |",
+             "|---|---:|" + "---:|" * (len(depths) + 2)]
+    for task, cells in results["results"].items():
+        for length, cell in cells.items():
+            row = [task, f"{int(length):,}", *(f"{cell['accuracy'][d]:.2f}" for d in depths),
+                   f"{cell['mean']:.2f}", f"{cell['kv_bytes']:,}"]
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "| length | accuracy (mean over tasks) | kv bytes after the prompt |",
+              "|---:|---:|---:|"]
+    lines += [f"| {int(n):,} | {v['accuracy']:.2f} | {v['kv_bytes']:,} |"
+              for n, v in results["mean"].items()]
+    precision = results["precision"]
+    lines += ["", f"Prompts per cell: {results['samples']} (seed {results['seed']}); haystack: "
+              f"{results['haystack']}; greedy decoding, {precision['dtype']} on "
+              f"{precision['device']}."]
+    return "\n".join(lines) + "\n"
+
+
+def heatmap(results: dict, task: str) -> bytes:
+    """PNG of ``task``'s accuracy by context length (columns) and depth (rows)."""
+    plt = _pyplot()
+    lengths, depths = results["lengths"], [f"{d:g}" for d in results["depths"]]
+    cells = [[results["results"][task][str(n)]["accuracy"][d] for n in lengths]
+             for d in depths]
+    fig, ax = plt.subplots(figsize=(2.5 + 1.1 * len(lengths), 1.8 + 0.45 * len(depths)))
+    image = ax.imshow(cells, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for (row, column), value in zip(itertools.product(range(len(depths)), range(len(lengths))),
+                                    itertools.chain(*cells), strict=True):
+        ax.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+    ax.set_yticks(range(len(depths)), depths)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("depth of the needle")
+    ax.set_title(f"{task}: accuracy (cache {results['cache']})")
+    fig.colorbar(image, ax=ax, label="accuracy")
+    return png_bytes(fig)
+
+
+def write(out: Path, results: dict, plots: bool = True) -> list[Path]:
+    """``longeval.json``, ``longeval.md`` and, with ``plots``, ``longeval_TASK.png`` per task
+    in ``out`` (written atomically); the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = {out / REPORT_FILE: (json.dumps(results, indent=1) + "\n").encode(),
+             out / TABLE_FILE: markdown(results).encode()}
+    if plots:
+        files |= {out / f"longeval_{task}.png": heatmap(results, task)
+                  for task in results["tasks"]}
+    atomic_write({path: functools.partial(Path.write_bytes, data=content)
+                  for path, content in files.items()})
+    return list(files)

@@ -1,0 +1,174 @@
+"""adaspan longeval: a tiny random Llama (byte tokenizer) scored end to end, through the
+command line, with the full cache and the span cache."""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import ByT5Tokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from adaspan.cli import main
+from adaspan.hf import add_spans, head_windows, load_pretrained, save_model
+from adaspan.hf import cache_policies as cp
+from adaspan.hf import longeval as le
+from adaspan.hf.needles import TASKS, Haystack
+from adaspan.runtime.precision import choose
+
+LAYERS, KV_HEADS, D_HEAD, POSITIONS = 2, 2, 8, 1024
+FP32 = choose("float32", torch.device("cpu"), "score")
+GRID = ["--lengths", "600,900", "--depths", "0,0.5,1", "--samples", "1", "--no-progress"]
+
+
+def tiny_llama(folder: Path, spans: bool) -> Path:
+    """A random Llama (2 layers, 4 query heads of 8, 2 key/value heads, 1,024 positions)
+    with a byte tokenizer; with ``spans``, spans of about 31 tokens (S = 1,024, R = 8)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=KV_HEADS, max_position_embeddings=POSITIONS)
+    model = LlamaForCausalLM(config)
+    if spans:
+        add_spans(model, ramp=8, init=0.03)
+        save_model(model, folder)
+    else:
+        model.save_pretrained(folder)
+    ByT5Tokenizer(extra_ids=0).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("plain"), spans=False)
+
+
+@pytest.fixture(scope="module")
+def spans_dir(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("spans"), spans=True)
+
+
+def run(capsys, model_dir: Path, *options: str) -> dict:
+    assert main(["longeval", str(model_dir), "--haystack", "kjv", *GRID, "--json",
+                 *options]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_full_and_span_caches_end_to_end(spans_dir, tmp_path, capsys):
+    spans = run(capsys, spans_dir, "--cache", "spans", "--out", str(tmp_path / "spans"))
+    full = run(capsys, spans_dir, "--out", str(tmp_path / "full"), "--no-plots")
+    assert full["cache"] == "full" and spans["cache"] == "spans"
+    assert spans["tasks"] == list(TASKS) and spans["lengths"] == [600, 900]
+    assert spans["depths"] == [0.0, 0.5, 1.0] and spans["samples"] == 1
+    for task in TASKS:
+        for length in ("600", "900"):
+            cell = spans["results"][task][length]
+            assert set(cell) == {"accuracy", "mean", "kv_bytes", "prompt_tokens"}
+            assert set(cell["accuracy"]) == {"0", "0.5", "1"}
+            assert cell["mean"] == pytest.approx(sum(cell["accuracy"].values()) / 3)
+    assert len(spans["prompts"]) == len(full["prompts"]) == 5 * 2 * 3
+    # the same answers (the span cache drops only keys of weight 0), fewer bytes held
+    windows = [max(layer) for layer in head_windows(load_pretrained(spans_dir))]
+    held = sum(2 * KV_HEADS * (w - 1) * D_HEAD * 4 for w in windows)
+    for a, b in zip(spans["prompts"], full["prompts"], strict=True):
+        assert a["output"] == b["output"] and a["correct"] == b["correct"]
+        assert a["kv_bytes"] == held < b["kv_bytes"]
+        assert b["kv_bytes"] == LAYERS * 2 * KV_HEADS * a["tokens"] * D_HEAD * 4
+        assert a["tokens"] <= a["length"] - 13  # room for the answer (13 tokens at least)
+    assert all(v["kv_bytes"] == held for v in spans["mean"].values())
+    assert full["mean"]["900"]["kv_bytes"] > full["mean"]["600"]["kv_bytes"] > held
+    written = tmp_path / "spans"
+    assert json.loads((written / "longeval.json").read_text())["mean"] == spans["mean"]
+    assert "| passkey | 600 |" in (written / "longeval.md").read_text()
+    assert {p.name for p in written.glob("*.png")} == {f"longeval_{t}.png" for t in TASKS}
+    assert (written / "longeval_passkey.png").read_bytes()[:4] == b"\x89PNG"
+    assert not list((tmp_path / "full").glob("*.png"))
+
+
+def test_the_table_without_json(plain_dir, capsys):
+    assert main(["longeval", str(plain_dir), "--haystack", "kjv", "--tasks", "passkey",
+                 "--lengths", "500", "--depths", "0.5", "--samples", "2", "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith(f"# Long-context retrieval of {plain_dir} (cache: full)")
+    assert "| passkey | 500 | " in table and "Prompts per cell: 2 (seed 0)" in table
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--tasks", "passkey,nope"], "unknown task 'nope'; the tasks are passkey"),
+    (["--lengths", "2048"], "a length of 2048 tokens is longer than the model's 1024 positions"),
+    (["--cache", "spans"], "cache policy 'spans' needs a model with spans"),
+    (["--cache", "nope"], "unknown cache policy 'nope'; the policies are full, spans"),
+    (["--cache", "full:window=4"], "cache policy 'full': got an unexpected keyword argument"),
+    (["--cache", "full:4"], "cache policy options are key=value separated by commas, got '4'"),
+    (["--lengths", "100"], "a length of 100 is too short"),
+])
+def test_bad_input_is_one_line(plain_dir, capsys, change, message):
+    assert main(["longeval", str(plain_dir), "--haystack", "kjv", *GRID, *change]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_a_missing_model_and_bad_depths_are_refused(tmp_path, capsys):
+    assert main(["longeval", str(tmp_path / "none"), "--haystack", "kjv"]) == 2
+    assert "no model directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["longeval", str(tmp_path), "--haystack", "kjv", "--depths", "0,2"])
+    assert "not a list of numbers in [0, 1]" in capsys.readouterr().err
+
+
+class Recording(cp.CachePolicy):
+    """A policy as another module would add one: its cache, and the model changed (here its
+    attention implementation swapped, an option) only while it answers."""
+
+    def __init__(self, model, calls: list[tuple[int, str]], attention: str = "sdpa") -> None:
+        super().__init__(model)
+        self.calls, self.attention = calls, attention
+
+    def cache(self, prompt_tokens: int) -> DynamicCache:
+        return DynamicCache()
+
+    @contextmanager
+    def applied(self, prompt_tokens: int):
+        before = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.attention)
+        try:
+            self.calls.append((prompt_tokens, self.model.config._attn_implementation))
+            yield self.cache(prompt_tokens)
+        finally:
+            self.model.set_attn_implementation(before)
+
+
+def test_a_registered_policy_is_one_call(plain_dir, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cp, "POLICIES", dict(cp.POLICIES))  # the registry as it was, after
+    cp.register_policy("recording", lambda model, attention="sdpa": Recording(model, calls,
+                                                                             attention))
+    grid = le.Grid(("passkey",), (500,), (0.0, 1.0), samples=2)
+    results = le.longeval(plain_dir, "kjv", grid, "recording:attention=eager", FP32,
+                          progress=False)
+    assert results["cache"] == "recording:attention=eager"
+    assert [tokens for tokens, _ in calls] == [r["tokens"] for r in results["prompts"]]
+    assert {implementation for _, implementation in calls} == {"eager"}
+
+
+def test_scores_of_right_wrong_and_partial_answers(plain_dir, monkeypatch):
+    """Every answer given in full scores 1; multi_value's first value alone scores 0."""
+    model, tokenizer = le.load_model_dir(plain_dir, torch.device("cpu"))
+    haystack = Haystack("A sentence. Another one.", tokenizer)
+
+    def oracle(model, sample, policy, pad):
+        given = sample.answers[:1] if sample.task == "multi_value" else sample.answers
+        return tokenizer(" " + ", ".join(given), add_special_tokens=False)["input_ids"], 7
+
+    monkeypatch.setattr(le, "respond", oracle)
+    grid = le.Grid(lengths=(600,), depths=(0.0, 1.0), samples=2)
+    records = le.evaluate(model, tokenizer, haystack, grid, cp.build_policy("full", model),
+                          FP32, progress=False)
+    summary = le.summarise(records, grid)
+    assert {task: cells["600"]["mean"] for task, cells in summary["results"].items()} == {
+        task: float(task != "multi_value") for task in TASKS}
+    assert summary["mean"]["600"] == {"accuracy": 0.8, "kv_bytes": 7}
+    assert math.isclose(sum(r["correct"] for r in records), 4 * 2 * 2)
