@@ -26,7 +26,7 @@ GRID = ["--lengths", "600,900", "--depths", "0,0.5,1", "--samples", "1", "--no-p
 
 def tiny_llama(folder: Path, spans: bool) -> Path:
     """A random Llama (2 layers, 4 query heads of 8, 2 key/value heads, 1,024 positions)
-    with a byte tokenizer; with ``spans``, spans of about 31 tokens (S = 1,024, R = 8)."""
+    with a byte tokenizer; with ``spans``, z of about 31 tokens (S = 1,024, R = 8)."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=LAYERS, num_attention_heads=4,
