@@ -49,6 +49,7 @@ LAYERS = {
     "experiments/compare": 25, "experiments/demo": 25, "experiments/__init__": 25,
     "hf/support": 25.5,
     "hf/attention": 26, "hf/needles": 26,
+    "hf/autoload": 26.5,
     "hf/span_cache": 27, "hf/spans": 27,
     "hf/budget": 27.5,
     "hf/cache_policies": 27.5,

@@ -16,12 +16,14 @@ The Hugging Face feature sits above the rest of the package (it reads ``attentio
 from ..attention.span import clamp_spans, span_loss
 from . import support  # noqa: F401 (before transformers is used: a missing or old one refused)
 from .attention import NAME, register, span_modules
+from .autoload import watch_loading
 from .span_cache import SpanCache, SpanLayer, cache_argument, head_windows, kv_bytes, windows
 from .spans import add_spans, load_pretrained, load_spans, save_model, save_spans
 
 load_model = load_pretrained  # its name before 0.13
 
 register()
+watch_loading()  # a model of save_model loaded without its spans: one warning
 
 __all__ = ["NAME", "SpanCache", "SpanLayer", "add_spans", "cache_argument", "clamp_spans",
            "head_windows", "kv_bytes", "load_model", "load_pretrained", "load_spans",

@@ -114,10 +114,14 @@ def save_spans(model: nn.Module, directory: str | Path) -> None:
 
 def save_model(model: nn.Module, directory: str | Path) -> None:
     """``model.save_pretrained(directory)`` without the spans, then the spans
-    (:func:`save_spans`)."""
+    (:func:`save_spans`) and the file that has ``from_pretrained(directory,
+    trust_remote_code=True)`` attach them (``autoload.write_loader``)."""
+    from .autoload import write_loader
+
     weights = {k: v for k, v in model.state_dict().items() if f".{NAME}." not in k}
     model.save_pretrained(directory, state_dict=weights)
     save_spans(model, directory)
+    write_loader(directory)
 
 
 def load_spans(model: nn.Module, directory: str | Path) -> nn.Module:
