@@ -42,7 +42,7 @@ def test_logits_and_span_gradients_equal_the_reference(kind):
     for p in model.parameters():
         p.requires_grad_(False)
     spans = [s.z_frac.requires_grad_() for s in span_modules(model)]
-    grad = torch.randn(IDS.shape + (model.config.vocab_size,),
+    grad = torch.randn((*IDS.shape, model.config.vocab_size),
                        generator=torch.Generator().manual_seed(5))
     results = []
     for forward in (lambda: model(IDS).logits, lambda: reference_hf_logits(model, IDS)):
