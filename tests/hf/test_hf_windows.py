@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from adaspan.errors import UserError
 from adaspan.hf import SpanCache, add_spans, cache_argument, kv_bytes, span_modules
+from adaspan.hf.cache_policies import build_policy
 from adaspan.hf.windows import exact_fraction, hard_windows, streaming_windows
 
 IDS = torch.randint(0, 64, (1, 70), generator=torch.Generator().manual_seed(6))
@@ -90,3 +91,27 @@ def test_the_fraction_gives_the_whole_z(max_span):
         frac = torch.tensor(exact_fraction(z, max_span), dtype=torch.float32)
         assert (max_span * frac).item() <= z
         assert (max_span * frac).item() == pytest.approx(z, abs=1e-3)
+
+
+def test_the_streaming_policy_holds_its_window_or_its_budget():
+    model, options = tiny_hf("llama"), dict(max_new_tokens=3, do_sample=False)
+    per_window = build_policy("streaming:window=12,sinks=3", model)
+    by_budget = build_policy(f"streaming:budget={2 * 2 * 14 * 64 + 63},sinks=3", model)
+    assert (per_window.window, by_budget.window) == (12, 12)  # 3 sinks + 11 positions fit
+    for policy in (per_window, by_budget):
+        with policy.applied(IDS.shape[1]) as cache:
+            model.generate(IDS, **cache_argument(model, cache), **options)
+        assert kv_bytes(cache) == 2 * 2 * (3 + 12 - 1) * 2 * 8 * 4
+    assert not span_modules(model)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("streaming", "takes a window or a budget"),
+    ("streaming:window=8,budget=100", "takes a window or a budget"),
+    ("streaming:window=0", "window is a whole number of at least 1"),
+    ("streaming:window=8,sinks=x", "sinks is a whole number"),
+    ("streaming:budget=100", "fewer than 4 sinks"),
+])
+def test_bad_streaming_options_are_one_line_errors(spec, message):
+    with pytest.raises(UserError, match=message):
+        build_policy(spec, tiny_hf("llama"))

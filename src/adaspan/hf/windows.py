@@ -7,7 +7,7 @@ A hard window of w positions is a span of ramp R = 1 and z = w - 1: m_z(x) = 1 f
 offsets x <= w - 1 and 0 from x = w on (eq. 2), so the span attention, ``SpanCache`` and the
 byte accounting of :mod:`adaspan.hf.budget` serve these baselines unchanged. Within
 :func:`hard_windows` the model reads its windows; after it, the model is as before (its own
-spans, or none).
+spans, or none). The cache policy ``streaming`` of ``adaspan longeval`` is StreamingLLM's.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from torch import nn
 from ..attention.span import AdaptiveSpan
 from ..errors import UserError
 from .attention import NAME, span_modules
+from .budget import position_bytes
+from .cache_policies import CachePolicy, register_policy
+from .span_cache import SpanCache
 from .spans import add_spans, key_value_heads
 
 
@@ -102,3 +105,53 @@ def streaming_windows(model: nn.Module, window: int) -> list[list[int]]:
     """StreamingLLM's windows: ``window`` in every key/value head of every layer."""
     layers = model.config.num_hidden_layers
     return [[window] * key_value_heads(model.config) for _ in range(layers)]
+
+
+def budget_window(model: nn.Module, budget: int, sinks: int, element_size: int) -> int:
+    """The longest window whose StreamingLLM cache (per key/value head of every layer: the
+    sinks and window - 1 positions) holds at most ``budget`` bytes."""
+    per_position = position_bytes(model.config, element_size)
+    heads = model.config.num_hidden_layers * key_value_heads(model.config)
+    window = budget // (heads * per_position) - sinks + 1
+    if window < 1:
+        raise UserError(f"a budget of {budget} bytes holds fewer than {sinks} sinks and one "
+                        f"position per key/value head ({heads * per_position} bytes each)")
+    return window
+
+
+class StreamingPolicy(CachePolicy):
+    """StreamingLLM: every key/value head holds the first ``sinks`` positions and the last
+    ``window`` (its own included), in a ``SpanCache`` of hard windows; ``budget``, bytes of
+    keys and values held after the prompt (in the model's dtype), gives the window instead."""
+
+    def __init__(self, model: nn.Module, window: str | None = None, sinks: str = "4",
+                 budget: str | None = None) -> None:
+        super().__init__(model)
+        if (window is None) == (budget is None):
+            raise UserError("cache policy 'streaming' takes a window or a budget (bytes): "
+                            "streaming:window=256 or streaming:budget=1000000")
+        self.sinks = _whole("sinks", sinks, 0)
+        if budget is not None:
+            size = next(model.parameters()).element_size()
+            window = budget_window(model, _whole("budget", budget, 1), self.sinks, size)
+        self.window = _whole("window", window, 1)
+
+    @contextmanager
+    def applied(self, prompt_tokens: int) -> Iterator[SpanCache]:
+        with hard_windows(self.model, streaming_windows(self.model, self.window), self.sinks):
+            yield SpanCache(self.model)
+
+
+def _whole(name: str, value: str | int, least: int) -> int:
+    """``value`` as a whole number of at least ``least``, else a one-line ``UserError``."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = least - 1
+    if number < least:
+        raise UserError(f"cache policy 'streaming': {name} is a whole number of at least "
+                        f"{least}, got {value!r}")
+    return number
+
+
+register_policy("streaming", StreamingPolicy)
