@@ -130,12 +130,14 @@ def retrieval_batch(args: argparse.Namespace, haystack: Haystack, rng: np.random
 
 
 def weighted_loss(model: LlamaForCausalLM, ids: torch.Tensor, weight: torch.Tensor
-                  ) -> torch.Tensor:
+                  ) -> tuple[torch.Tensor, float]:
     """Next-token NLL of ``ids`` weighed per target by ``weight`` (B, T - 1), per unit weight
-    of the prompts' own tokens."""
+    of the prompts' own tokens; and the mean NLL of the answers' tokens (weight above 1)."""
     logits = model(ids).logits[:, :-1].float()
     nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-    return (nll * weight).sum() / weight.clamp(max=1).sum()
+    answers = weight > 1
+    answer_nll = nll.detach()[answers].mean().item() if answers.any() else math.nan
+    return (nll * weight).sum() / weight.clamp(max=1).sum(), answer_nll
 
 
 def learning_rate(args: argparse.Namespace, step: int) -> float:
@@ -168,9 +170,11 @@ def train(args: argparse.Namespace) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step - 1)
         retrieval = args.retrieval and rng.random() < args.retrieval
+        answer_nll = None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             if retrieval:
-                loss = weighted_loss(model, *retrieval_batch(args, haystack, rng, step))
+                loss, answer_nll = weighted_loss(model,
+                                                 *retrieval_batch(args, haystack, rng, step))
             else:
                 x = batch(corpus.train, rng, args.batch_size, args.context)
                 loss = model(x, labels=x).loss
@@ -182,7 +186,7 @@ def train(args: argparse.Namespace) -> dict:
         if step % args.log_every == 0 or step == 1:
             print(json.dumps({"step": step, "seconds": round(seconds, 1),
                               "bpb": round(loss.item() / math.log(2), 4),
-                              "retrieval": bool(retrieval),
+                              "answer_nll": answer_nll and round(answer_nll, 3),
                               "lr": optimizer.param_groups[0]["lr"]}), flush=True)
         if step % args.save_every == 0:
             save(model, args.out)
