@@ -27,7 +27,7 @@ SPANS_FILE = "adaptive_spans.safetensors"  # z' of every layer, one tensor per l
 SETTINGS_FILE = "adaptive_spans.json"  # max_span, ramp, per_layer; the spans, for reading
 
 
-def _attention_modules(model: nn.Module) -> tuple[list[nn.Module], list[int]]:
+def attention_modules(model: nn.Module) -> tuple[list[nn.Module], list[int]]:
     """The modules that call the attention interface, in call order, and the sliding windows
     they declare."""
     if not getattr(model, "_supports_attention_backend", False):
@@ -86,7 +86,7 @@ def add_spans(model: nn.Module, max_span: int | None = None, ramp: int = 32, ini
     if per_layer and per_kv_head:
         raise ConfigError("per_layer and per_kv_head exclude each other: one z per layer, or "
                           "one per key/value head")
-    modules, windows = _attention_modules(model)
+    modules, windows = attention_modules(model)
     max_span = _check_max_span(model, max_span, windows)
     n_heads = key_value_heads(model.config) if per_kv_head else model.config.num_attention_heads
     param = next(model.parameters())

@@ -130,11 +130,12 @@ class StreamingPolicy(CachePolicy):
         if (window is None) == (budget is None):
             raise UserError("cache policy 'streaming' takes a window or a budget (bytes): "
                             "streaming:window=256 or streaming:budget=1000000")
-        self.sinks = _whole("sinks", sinks, 0)
+        self.sinks = whole_option("streaming", "sinks", sinks, 0)
         if budget is not None:
             size = next(model.parameters()).element_size()
-            window = budget_window(model, _whole("budget", budget, 1), self.sinks, size)
-        self.window = _whole("window", window, 1)
+            budget = whole_option("streaming", "budget", budget, 1)
+            window = budget_window(model, budget, self.sinks, size)
+        self.window = whole_option("streaming", "window", window, 1)
 
     @contextmanager
     def applied(self, prompt_tokens: int) -> Iterator[SpanCache]:
@@ -142,14 +143,15 @@ class StreamingPolicy(CachePolicy):
             yield SpanCache(self.model)
 
 
-def _whole(name: str, value: str | int, least: int) -> int:
-    """``value`` as a whole number of at least ``least``, else a one-line ``UserError``."""
+def whole_option(policy: str, name: str, value: str | int, least: int) -> int:
+    """Option ``name`` of a cache policy as a whole number of at least ``least``, else a
+    one-line ``UserError``."""
     try:
         number = int(value)
     except ValueError:
         number = least - 1
     if number < least:
-        raise UserError(f"cache policy 'streaming': {name} is a whole number of at least "
+        raise UserError(f"cache policy {policy!r}: {name} is a whole number of at least "
                         f"{least}, got {value!r}")
     return number
 
