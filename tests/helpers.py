@@ -13,6 +13,7 @@ from adaspan import ModelConfig, SpanLM, TrainConfig, train
 from adaspan.attention.registry import ATTENTIONS
 from adaspan.attention.span import AdaptiveSpan, DynamicSpan
 from adaspan.attention.span_attention import SpanAttention
+from adaspan.config import RetrofitConfig
 from adaspan.run.checkpoint import load_model
 
 # Spans (in tokens) given to adaptive heads by tiny(): per layer and head, capped at max_span.
@@ -158,3 +159,30 @@ def tiny_hf(kind: str, positions: int = 96):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     return model.float().eval()
+
+
+# --- a tiny Hugging Face Llama to retrofit ------------------------------------------------------
+
+LLAMA_LAYERS, LLAMA_KV_HEADS, LLAMA_D_HEAD, LLAMA_CONTEXT = 2, 2, 8, 64
+
+
+def tiny_llama(folder: Path) -> Path:
+    """A random Llama (2 layers, 4 query heads, 2 key/value heads, 64 positions) with a
+    byte tokenizer, saved in ``folder``."""
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=LLAMA_LAYERS, num_attention_heads=4,
+                         num_key_value_heads=LLAMA_KV_HEADS,
+                         max_position_embeddings=LLAMA_CONTEXT)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    ByT5Tokenizer(extra_ids=0).save_pretrained(folder)
+    return folder
+
+
+def retrofit_options(model_dir: Path, out: Path, **changes) -> RetrofitConfig:
+    """6 steps of 2 windows of the tiny Llama's 64 positions of kjv, a checkpoint every 2."""
+    values = dict(context=LLAMA_CONTEXT, ramp=4, steps=6, batch_size=2, span_loss=0.1,
+                  checkpoint_interval=2, lr=0.05)
+    return RetrofitConfig(str(model_dir), "kjv", str(out), **{**values, **changes})

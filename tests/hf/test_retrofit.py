@@ -8,16 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    ByT5Tokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from helpers import LLAMA_CONTEXT as CONTEXT
+from helpers import LLAMA_D_HEAD as D_HEAD
+from helpers import LLAMA_KV_HEADS as KV_HEADS
+from helpers import LLAMA_LAYERS as LAYERS
+from helpers import load_script, tiny_llama
+from helpers import retrofit_options as options
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from adaspan.cli import main
-from adaspan.config import RetrofitConfig
 from adaspan.data.corpora import load_corpus
 from adaspan.errors import ConfigError
 from adaspan.hf import load_pretrained, span_modules
@@ -25,33 +24,13 @@ from adaspan.hf.report import REPORT_FILE, measure_retrofit
 from adaspan.hf.retrofit import Retrofit, retrofit
 from adaspan.run.lock import RunLockedError, WriterLock
 from adaspan.runtime.precision import choose
-from tests.helpers import load_script
 
 FP32 = choose("float32", torch.device("cpu"))
-LAYERS, KV_HEADS, D_HEAD, CONTEXT = 2, 2, 8, 64
-
-
-def tiny_llama(folder: Path) -> Path:
-    """A random Llama (2 layers, 4 query heads, 2 key/value heads, 64 positions) with a
-    byte tokenizer, saved in ``folder``."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=LAYERS, num_attention_heads=4,
-                         num_key_value_heads=KV_HEADS, max_position_embeddings=CONTEXT)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    ByT5Tokenizer(extra_ids=0).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("llama"))
-
-
-def options(model_dir: Path, out: Path, **changes) -> RetrofitConfig:
-    values = dict(context=CONTEXT, ramp=4, steps=6, batch_size=2, span_loss=0.1,
-                  checkpoint_interval=2, lr=0.05)
-    return RetrofitConfig(str(model_dir), "kjv", str(out), **{**values, **changes})
 
 
 def z_fracs(run: Retrofit) -> list[torch.Tensor]:

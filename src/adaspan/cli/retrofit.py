@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from ..config import LOSSES, RetrofitConfig
 from ..data.corpora import resolve_data
+from ..runtime.distributed import Distributed, resolve_device
 from ..runtime.precision import choose
 from .options import (
     add_output,
@@ -49,6 +52,9 @@ def add_retrofit(commands) -> None:
     p.add_argument("--per-kv-head", action="store_true", help="one span per key/value head, "
                    "shared by its query heads (the penalty counts the cache held)")
     p.add_argument("--resume", action="store_true", help="continue the retrofit in --out")
+    p.add_argument("--shard", action="store_true", help="under torchrun, also shard the frozen "
+                   "weights over the processes (FSDP2), for a model larger than one device; "
+                   "every process then takes part in the report")
     p.add_argument("--eval-bytes", type=positive_int, default=65536,
                    help="held-out bytes the report scores")
     p.add_argument("--decode-tokens", type=positive_int, default=64,
@@ -65,18 +71,46 @@ def _retrofit(args: argparse.Namespace) -> int:
     full-attention outputs (and/or the text's loss) plus the span penalty. Writes to --out the
     model with its spans (adaspan.hf.load_pretrained reads it) and a report, retrofit.json and
     retrofit.md: spans per head, held-out bits per byte, key/value cache bytes and decode
-    speed, with full attention and with the spans (see docs/retrofit.md)."""
-    from ..hf.report import markdown, measure_retrofit, write
-    from ..hf.retrofit import retrofit
+    speed, with full attention and with the spans (see docs/retrofit.md). Under torchrun the
+    processes share each step's windows and rank 0 alone writes."""
+    from ..hf.report import markdown, write
 
     config = RetrofitConfig(
         str(args.model_dir.resolve()), resolve_data(args.data), str(args.out.resolve()),
         args.max_span, args.ramp, args.context, args.steps, args.batch_size, args.lr,
         args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head)
-    run = retrofit(config, choose(args.dtype, args.device, "train"), args.resume,
-                   progress=not args.no_progress)
-    report = measure_retrofit(run, choose(args.dtype, args.device, "score"), args.eval_bytes,
-                              args.decode_tokens)
-    write(args.out, report)
-    print(json_line(report) if args.json else markdown(report), end="\n" if args.json else "")
+    dist = Distributed.from_env()
+    device = _process_device(args.device, dist)
+    with dist.joined(device):  # a sharded model is measured by the processes together
+        report = _retrofit_and_measure(config, args, device, dist)
+    if report is not None:
+        write(args.out, report)
+        print(json_line(report) if args.json else markdown(report),
+              end="\n" if args.json else "")
     return 0
+
+
+def _retrofit_and_measure(config: RetrofitConfig, args: argparse.Namespace,
+                          device: torch.device, dist: Distributed) -> dict | None:
+    """The retrofit, then its report: measured by rank 0 alone, or by every process where the
+    frozen weights are sharded; None on the ranks other than 0."""
+    from ..hf.report import measure_retrofit
+    from ..hf.retrofit import retrofit
+
+    run = retrofit(config, choose(args.dtype, device, "train"), args.resume,
+                   progress=not args.no_progress, shard=args.shard)
+    if not (dist.is_main or args.shard):
+        return None
+    report = measure_retrofit(run, choose(args.dtype, device, "score"), args.eval_bytes,
+                              args.decode_tokens)
+    return report if dist.is_main else None
+
+
+def _process_device(device: torch.device, dist: Distributed) -> torch.device:
+    """This process's device: under torchrun, ``--device cuda`` (or auto, read as GPU 0 before
+    the command ran) is the GPU of its local rank; another numbered GPU is refused, as by
+    train."""
+    if not (dist.active and device.type == "cuda"):
+        return device
+    name = "cuda" if device.index == 0 else str(device)
+    return resolve_device(name, dist.local_rank, dist.world_size)

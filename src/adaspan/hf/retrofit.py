@@ -10,6 +10,11 @@ where p_full is the frozen model's next-token distribution with its own attentio
 under ``no_grad``) and p_z the same model with the soft mask m_z (eq. 2) in every head. After
 each step z' is clamped to [0, 1]. The window of each step is drawn from (seed, step) alone, so
 a run resumed from its checkpoint continues bit for bit.
+
+Under ``torchrun`` the run is data-parallel: each process computes the loss of its rows of the
+step's windows, the gradients of z' are averaged over the processes (one all-reduce), and every
+process takes the same step; rank 0 alone writes. With ``shard`` the frozen weights are also
+sharded over the processes (FSDP2 ``fully_shard``), z' kept whole on each.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
@@ -125,10 +131,34 @@ def span_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [span.z_frac for span in span_modules(model)]
 
 
+def attach_spans(model: nn.Module, config: RetrofitConfig) -> None:
+    """The spans of ``config`` attached to ``model`` at z' = 1 (the model unchanged)."""
+    add_spans(model, config.span_limit, config.ramp, init=1.0, per_kv_head=config.per_kv_head)
+
+
+def shard_frozen(model: nn.Module, device: torch.device) -> None:
+    """FSDP2 ``fully_shard`` of the frozen weights over the job's processes, on ``device``:
+    each decoder layer (transformers' ``_no_split_modules``), then the rest; z' of every layer
+    stays whole on every process (moved to ``device``), its gradients averaged by the step."""
+    from torch.distributed.device_mesh import init_device_mesh  # not in every torch build
+    from torch.distributed.fsdp import fully_shard
+
+    keep = set(span_parameters(model))
+    mesh = init_device_mesh(device.type, (torch_dist.get_world_size(),))
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in layers:
+            fully_shard(module, mesh=mesh, ignored_params=keep)
+    fully_shard(model, mesh=mesh, ignored_params=keep)
+    for span in span_modules(model):
+        span.to(device)
+
+
 @dataclass
 class Retrofit:
     """A retrofit in progress: the model with its spans, the frozen model's own attention
-    (``original``), the train tokens, the optimiser of z' and the steps done."""
+    (``original``), the train tokens, the optimiser of z', the steps done, this process's place
+    in the job and whether the frozen weights are sharded over it."""
 
     config: RetrofitConfig
     model: nn.Module
@@ -137,13 +167,18 @@ class Retrofit:
     tokens: Tensor
     optimizer: torch.optim.Optimizer
     step: int = 0
+    dist: Distributed = field(default_factory=Distributed)
+    sharded: bool = False
 
     @property
     def out(self) -> Path:
         return Path(self.config.out)
 
     def save_state(self) -> None:
-        """The checkpoint: step, z', optimiser (written atomically)."""
+        """The checkpoint: step, z', optimiser (written atomically, by rank 0: every rank holds
+        the same)."""
+        if not self.dist.is_main:
+            return
         state = {"step": self.step, "z_frac": [p.detach().cpu() for p in
                                                span_parameters(self.model)],
                  "optimizer": self.optimizer.state_dict()}
@@ -158,17 +193,38 @@ class Retrofit:
         self.step = state["step"]
 
     def train_step(self, precision: Precision) -> dict[str, float]:
-        """One optimiser step of z' (then z' clamped to [0, 1]); the loss terms."""
+        """One optimiser step of z' (then z' clamped to [0, 1]) on this rank's rows of the
+        step's windows; the loss terms. The gradients and the terms are averaged over the ranks
+        (each a mean over as many tokens), so every rank takes the step of the whole batch."""
 
-        x = window_batch(self.tokens, self.config, self.step).to(precision.device)
+        rows = self.dist.rows(self.config.batch_size)
+        x = window_batch(self.tokens, self.config, self.step)[rows].to(precision.device)
         with precision.applied():
             losses = span_losses(self.model, self.original, x, self.config)
         self.optimizer.zero_grad(set_to_none=True)
         sum(losses.values()).backward()
+        terms = torch.stack([value.detach().float() for value in losses.values()])
+        self.dist.average([*(p.grad for p in span_parameters(self.model)), terms])
         self.optimizer.step()
         clamp_spans(self.model)
         self.step += 1
-        return {name: value.item() for name, value in losses.items()}
+        return dict(zip(losses, terms.tolist(), strict=True))
+
+    def save(self) -> None:
+        """Rank 0 writes the model with its spans and the tokenizer to ``out``; sharded, the
+        model written is the frozen one read again on the CPU, with the run's z'."""
+        if not self.dist.is_main:
+            return
+        model = self.model
+        if self.sharded:
+            model = load_frozen(self.config.model_dir)[0]
+            attach_spans(model, self.config)
+            with torch.no_grad():
+                for saved, trained in zip(span_parameters(model), span_parameters(self.model),
+                                          strict=True):
+                    saved.copy_(trained)
+        save_model(model, self.out)
+        self.tokenizer.save_pretrained(self.out)
 
     def run(self, precision: Precision, progress: bool = True) -> None:
         """Steps up to ``config.steps``, a checkpoint every ``checkpoint_interval`` and at the
@@ -219,39 +275,63 @@ def _check_out(out: Path, config: RetrofitConfig, resume: bool) -> None:
         raise RetrofitError(f"{out} {what}; or choose another --out")
 
 
-def prepare(config: RetrofitConfig, resume: bool, device: torch.device) -> Retrofit:
-    """The model frozen on ``device`` with its spans attached (z' = 1), the tokens, the
-    optimiser; on ``resume``, restored from the checkpoint."""
+def prepare(config: RetrofitConfig, resume: bool, device: torch.device, dist: Distributed,
+            shard: bool = False) -> Retrofit:
+    """The model frozen on ``device`` (``shard``: sharded over the job, :func:`shard_frozen`)
+    with its spans attached (z' = 1), the tokens (rank 0 reads the text first), the optimiser;
+    on ``resume``, restored from the checkpoint."""
 
     model, tokenizer = load_frozen(config.model_dir)
-    model.to(device)
+    if not shard:
+        model.to(device)
     original = model.config._attn_implementation
-    add_spans(model, config.span_limit, config.ramp, init=1.0, per_kv_head=config.per_kv_head)
+    attach_spans(model, config)
+    if shard:
+        shard_frozen(model, device)
     optimizer = torch.optim.Adam(span_parameters(model), lr=config.lr)
-    retrofit = Retrofit(config, model, tokenizer, original, train_tokens(config, tokenizer),
-                        optimizer)
+    with dist.main_first():
+        tokens = train_tokens(config, tokenizer)
+    retrofit = Retrofit(config, model, tokenizer, original, tokens, optimizer, dist=dist,
+                        sharded=shard)
     if resume:
         retrofit.restore()
     return retrofit
 
 
-def retrofit(config: RetrofitConfig, precision: Precision, resume: bool = False,
-             progress: bool = True) -> Retrofit:
-    """Train the spans of ``config.model_dir`` (every check before anything is written;
-    one writer of ``config.out``); writes the model with its spans and the tokenizer there."""
+def _check_job(config: RetrofitConfig, dist: Distributed, shard: bool) -> None:
+    """Refuse a batch that the job's processes cannot share evenly, or ``shard`` alone."""
+    if config.batch_size % dist.world_size:
+        raise ConfigError(f"batch_size={config.batch_size} must be divisible by the "
+                          f"{dist.world_size} processes of the torchrun job")
+    if shard and not dist.active:
+        raise ConfigError("shard splits the frozen weights over the processes of a torchrun "
+                          "job: run it under torchrun with 2 or more")
 
+
+def retrofit(config: RetrofitConfig, precision: Precision, resume: bool = False,
+             progress: bool = True, shard: bool = False) -> Retrofit:
+    """Train the spans of ``config.model_dir`` (every check before anything is written;
+    one writer of ``config.out``); writes the model with its spans and the tokenizer there.
+    Under torchrun, data-parallel (see the module docstring; ``precision.device`` is this
+    process's), rank 0 the only writer and the only progress bar; ``shard``: the frozen
+    weights sharded over the processes, the run's model then usable while the job's process
+    group lives (the CLI starts it first, to measure the report with it)."""
+
+    dist = Distributed.from_env()
+    _check_job(config, dist, shard)
     out = Path(config.out)
     _check_out(out, config, resume)
-    lock = hold(out, Distributed())
-    try:
-        with _transformers_bars(progress):
-            run = prepare(config, resume, precision.device)
-            if not resume:
-                atomic_write({out / SETTINGS_FILE: lambda path: path.write_text(
-                    json.dumps(asdict(config), indent=1) + "\n")})
-            run.run(precision, progress)
-            save_model(run.model, out)
-            run.tokenizer.save_pretrained(out)
-    finally:
-        lock.release()
+    shown = progress and dist.is_main
+    with dist.joined(precision.device):
+        lock = hold(out, dist)
+        try:
+            with _transformers_bars(shown):
+                run = prepare(config, resume, precision.device, dist, shard)
+                if dist.is_main and not resume:
+                    atomic_write({out / SETTINGS_FILE: lambda path: path.write_text(
+                        json.dumps(asdict(config), indent=1) + "\n")})
+                run.run(precision, shown)
+                run.save()
+        finally:
+            lock.release()
     return run

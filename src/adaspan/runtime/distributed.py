@@ -3,12 +3,16 @@ collective operations training needs."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
+from torch import Tensor
 
 from ..config import DEVICE
 from ..errors import UserError
@@ -64,6 +68,40 @@ class Distributed:
 
     def mean(self, value: float) -> float:
         return self.sum([value])[0] / self.world_size
+
+    def average(self, tensors: list[Tensor]) -> None:
+        """Each tensor (of one dtype and device) replaced in place by its mean over the ranks:
+        one all-reduce of them all, every rank left with the same values."""
+        if not self.active:
+            return
+        flat = torch.cat([tensor.flatten() for tensor in tensors])
+        torch_dist.all_reduce(flat)
+        flat /= self.world_size
+        for tensor, mean in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            tensor.copy_(mean.view_as(tensor))
+
+    @contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (a download, a cache filled), the other ranks after it
+        (then reading what it left)."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    @contextmanager
+    def joined(self, device: torch.device) -> Iterator[None]:
+        """Within the block this process is in the job's process group: started (:meth:`start`)
+        and destroyed at the end, unless one existed before (what holds the group, in
+        reference cycles, collected first)."""
+        started = self.start(device)
+        try:
+            yield
+        finally:
+            if started:
+                gc.collect()
+                torch_dist.destroy_process_group()
 
     def _gather(self, values: list) -> list[list]:
         """``values`` of every rank, in rank order. The values are the host's, and so is the
