@@ -53,7 +53,7 @@ LAYERS = {
     "hf/span_cache": 27, "hf/spans": 27,
     "hf/budget": 27.5, "hf/windows": 27.75,
     "hf/cache_policies": 27.5,
-    "hf/retrofit": 28,
+    "hf/retrofit": 28, "hf/static_cache": 28,
     "hf/snapkv": 28.5, "hf/duo": 28.5,
     "hf/report": 29, "hf/longeval": 29, "hf/__init__": 29,
     "cli/options": 30,

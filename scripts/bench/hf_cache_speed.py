@@ -1,19 +1,22 @@
 """Key/value bytes held and decode speed of a Hugging Face Llama at long contexts, side by side
-in one run: the model with adaptive spans over :class:`adaspan.hf.SpanCache` (``span``)
-against the same weights without spans, sdpa attention over transformers' ``DynamicCache``
-(``full``).
+in one run: the model with adaptive spans over :class:`adaspan.hf.SpanCache` (``span``) and
+over :class:`adaspan.hf.SpanStaticCache` (``static``; with ``--compile``, also its decode step
+compiled by ``torch.compile``'s inductor: ``static_compiled``) against the same weights without
+spans, sdpa attention over transformers' ``DynamicCache`` (``full``).
 
     python scripts/bench/hf_cache_speed.py [--contexts 2048,4096,8192] [--new 64] [--runs 3]
         [--spans 32,64,128,1024] [--layers 4] [--width 256] [--heads 4] [--kv-heads 4]
-        [--threads 1]
+        [--threads 1] [--compile]
 
 The model: a random Llama (vocabulary 256, ``layers`` layers of width ``width``, ``heads``
 query heads, ``kv-heads`` key/value heads, feed-forward 4 x width, fp32), max_span = the longest
 context + ``new``, R = 32, every layer's heads given ``spans`` (z = span - R). For each context,
 a random prompt of that many tokens is run once (prefill, timed), then ``new`` tokens are
-decoded greedily one forward at a time (timed); the two setups alternate run after run and the
+decoded greedily one forward at a time (timed); the setups alternate run after run and the
 median of ``runs`` runs is reported, with the bytes of keys and values each cache holds at the
-end. Prints one JSON line per context.
+end, and the median over runs of the static cache's decode speed over ``SpanCache``'s (each
+run's pair measured back to back). A compiled step is compiled before the runs (a short
+prompt, untimed). Prints one JSON line per context.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import statistics
 import time
 
 import torch
+import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from adaspan.hf import SpanCache, add_spans, cache_argument, kv_bytes, span_modules
+from adaspan.hf import SpanCache, SpanStaticCache, add_spans, cache_argument, kv_bytes, span_modules
 
 
 def build(args: argparse.Namespace, positions: int) -> tuple:
@@ -44,16 +48,28 @@ def build(args: argparse.Namespace, positions: int) -> tuple:
     return full, span
 
 
+def setups_of(full, span, compiled: bool) -> dict:
+    """Each setup's model, decode step (the model, or compiled) and cache."""
+    setups = {"span": (span, span, lambda: SpanCache(span)),
+              "static": (span, span, lambda: SpanStaticCache(span)),
+              "full": (full, full, DynamicCache)}
+    if compiled:
+        setups["static_compiled"] = (span, torch.compile(span), lambda: SpanStaticCache(span))
+    return setups
+
+
 @torch.inference_mode()
-def decode(model, cache, prompt: torch.Tensor, new: int) -> dict:
-    """Prefill ``prompt``, then ``new`` greedy tokens one forward each: seconds and bytes."""
+def decode(model, step, cache, prompt: torch.Tensor, new: int) -> dict:
+    """Prefill ``prompt`` (``model``), then ``new`` greedy tokens one ``step`` each: seconds and
+    bytes."""
+    argument = cache_argument(model, cache)
     tic = time.perf_counter()
-    logits = model(prompt, **cache_argument(model, cache), use_cache=True).logits
+    logits = model(prompt, **argument, use_cache=True).logits
     prefill = time.perf_counter() - tic
     tic = time.perf_counter()
     for _ in range(new):
         token = logits[:, -1:].argmax(-1)
-        logits = model(token, **cache_argument(model, cache), use_cache=True).logits
+        logits = step(token, **argument, use_cache=True).logits
     return {"prefill_s": prefill, "decode_tokens_per_s": new / (time.perf_counter() - tic),
             "kv_bytes": kv_bytes(cache)}
 
@@ -61,9 +77,9 @@ def decode(model, cache, prompt: torch.Tensor, new: int) -> dict:
 def measure(setups: dict, context: int, args: argparse.Namespace) -> dict:
     prompt = torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(context))
     runs: dict[str, list[dict]] = {name: [] for name in setups}
-    for _ in range(args.runs):  # alternated, so that both see the same machine load
-        for name, (model, cache) in setups.items():
-            runs[name].append(decode(model, cache(), prompt, args.new))
+    for _ in range(args.runs):  # alternated, so that all see the same machine load
+        for name, (model, step, cache) in setups.items():
+            runs[name].append(decode(model, step, cache(), prompt, args.new))
     result = {"context": context}
     for name, values in runs.items():
         for key in values[0]:
@@ -71,6 +87,11 @@ def measure(setups: dict, context: int, args: argparse.Namespace) -> dict:
     result["kv_bytes_ratio"] = round(result["span_kv_bytes"] / result["full_kv_bytes"], 4)
     result["decode_speed_ratio"] = round(result["span_decode_tokens_per_s"]
                                          / result["full_decode_tokens_per_s"], 3)
+    for name in ("static", "static_compiled"):
+        if name in runs:
+            result[f"{name}_over_span_decode"] = round(statistics.median(
+                a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+                for a, b in zip(runs[name], runs["span"], strict=True)), 3)
     return result
 
 
@@ -85,15 +106,21 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile", action="store_true",
+                        help="also the static cache's decode step compiled (inductor)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     full, span = build(args, max(contexts) + args.new)
-    setups = {"span": (span, lambda: SpanCache(span)), "full": (full, DynamicCache)}
+    setups = setups_of(full, span, args.compile)
+    if args.compile:
+        model, step, cache = setups["static_compiled"]
+        decode(model, step, cache(), torch.zeros(1, 8, dtype=torch.long), 2)
     for context in contexts:
         line = measure(setups, context, args)
         print(json.dumps({**line, "spans": args.spans, "threads": args.threads,
-                          "torch": torch.__version__}), flush=True)
+                          "torch": torch.__version__, "transformers": transformers.__version__}),
+              flush=True)
 
 
 if __name__ == "__main__":

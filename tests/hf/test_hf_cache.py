@@ -98,9 +98,10 @@ def test_windows_are_the_longest_span_of_each_layer():
     assert windows(model) == [math.ceil(6.4 + 8)] * 2
 
 
-def test_the_speed_script_prints_bytes_and_speeds_of_both_caches():
+def test_the_speed_script_prints_bytes_and_speeds_of_the_caches():
     """``scripts/bench/hf_cache_speed.py`` at a tiny size: one JSON line per context, the span cache
-    holding R - 1 = 31 keys per layer (spans below R) while the full cache holds them all."""
+    holding R - 1 = 31 keys per layer (spans below R), the static one the window of R, while the
+    full cache holds them all."""
     script = Path(__file__).parents[2] / "scripts" / "bench" / "hf_cache_speed.py"
     done = subprocess.run([sys.executable, str(script), "--contexts", "40,80", "--new", "3",
                            "--runs", "1", "--spans", "8,16", "--layers", "2", "--width", "32",
@@ -112,7 +113,9 @@ def test_the_speed_script_prints_bytes_and_speeds_of_both_caches():
     for line in lines:
         assert line["span_kv_bytes"] == 2 * 31 * per_key
         assert line["full_kv_bytes"] == 2 * (line["context"] + 3) * per_key
+        assert line["static_kv_bytes"] == 2 * 32 * per_key
         assert line["span_decode_tokens_per_s"] > 0 and line["full_decode_tokens_per_s"] > 0
+        assert line["static_over_span_decode"] > 0
 
 
 def test_spans_per_key_value_head_keep_their_windows_in_the_cache():

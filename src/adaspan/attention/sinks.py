@@ -23,11 +23,12 @@ from .span import soft_mask
 @dataclass(frozen=True)
 class Sinks:
     """The keys and values (B, Hkv, n, d) of the sequence's first n positions, and the position
-    of the first query (``first``; a sink j sits ``first + i - j`` positions behind query i)."""
+    of the first query (``first``; a sink j sits ``first + i - j`` positions behind query i; a
+    tensor of no dimension where a compiled step must not read it)."""
 
     k: Tensor
     v: Tensor
-    first: int
+    first: int | Tensor
 
     def offsets(self, queries: int, device: torch.device) -> Tensor:
         """(M, n) offsets of each sink behind each query."""

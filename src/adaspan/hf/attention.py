@@ -12,6 +12,7 @@ per row: a padded batch (an attention mask with a zero) is refused, as is a prep
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.utils import is_torchdynamo_compiling
 
 from ..attention.core import span_attention, span_log_mask
 from ..attention.sinks import Sinks
@@ -65,7 +67,7 @@ def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     key_mask = _key_mask(attention_mask, key.shape[2])
     key, value, sinks = _sinks(span, key, value, query.shape[2], key_mask, kwargs)
     heads = query.shape[1]
-    log_mask = None if torch.is_grad_enabled() else decode_mask(span, query)
+    log_mask = _filled(span, None if torch.is_grad_enabled() else decode_mask(span, query))
     out = span_attention(query, key, value, lambda: per_query_head(span(query), heads),
                          max_span=span.max_span, ramp=span.ramp, scale=scaling, dropout=dropout,
                          training=module.training,
@@ -97,10 +99,24 @@ def _sinks(span: AdaptiveSpan, key: Tensor, value: Tensor, queries: int,
     return key, value, Sinks(key[:, :, :n], value[:, :, :n], first)
 
 
+def _filled(span: AdaptiveSpan, log_mask: Tensor | None) -> Tensor | None:
+    """``log_mask`` with -inf (weight 0) at the slots of the window that hold no position, where
+    a ``SpanStaticCache`` step handed which do (``span.filled``); such a step takes no
+    gradients."""
+    filled = span.__dict__.pop("filled", None)
+    if filled is None:
+        return log_mask
+    if log_mask is None:
+        raise UserError("adaspan.hf.SpanStaticCache decodes without gradients: train with "
+                        "adaspan.hf.SpanCache or no cache")
+    return log_mask.masked_fill(~filled[-log_mask.shape[1]:], -math.inf)
+
+
 def _key_mask(attention_mask: Tensor | None, keys: int) -> Tensor | None:
     """Which of the last ``keys`` positions are tokens, from the padding mask (B, positions
-    seen) that :func:`adaptive_span_mask` hands on; None without padding. A prepared 4D mask,
-    and padding with gradients (training takes unpadded windows), are refused."""
+    seen) that :func:`adaptive_span_mask` hands on (slots before the first position, a static
+    cache's, are not); None without padding. A prepared 4D mask, and padding with gradients
+    (training takes unpadded windows), are refused."""
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2:
@@ -109,7 +125,8 @@ def _key_mask(attention_mask: Tensor | None, keys: int) -> Tensor | None:
     if torch.is_grad_enabled():
         raise UserError("adaptive_span attention masks padding without gradients only "
                         "(generation, evaluation): train on unpadded windows")
-    return attention_mask[:, -keys:]
+    empty = max(0, keys - attention_mask.shape[1])  # a static cache's slots before the first
+    return torch.nn.functional.pad(attention_mask, (empty, 0))[:, -keys:]
 
 
 def per_query_head(z: Tensor | list[float], heads: int) -> Tensor | list[float]:
@@ -124,9 +141,11 @@ def per_query_head(z: Tensor | list[float], heads: int) -> Tensor | list[float]:
 def decode_mask(span: AdaptiveSpan, query: Tensor) -> Tensor:
     """The log-mask of :func:`span_log_mask` over the span's longest window, on the device of
     ``query``: built once per value of z' (its version) and device, then reused (no read of
-    z)."""
-    version = (span.version(), query.device, query.shape[1])
+    z); a compiled step takes the one of the last eager forward (its prefill), unchecked."""
     cached = getattr(span, "_decode_mask", None)
+    if cached is not None and is_torchdynamo_compiling():
+        return cached[1]
+    version = (span.version(), query.device, query.shape[1])
     if cached is None or cached[0] != version:
         z = per_query_head(span.host_z(), query.shape[1])
         mask = span_log_mask(z, key_window(max(z), span.max_span, span.ramp), span.ramp)
@@ -140,10 +159,11 @@ def adaptive_span_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
     """``AttentionMaskInterface`` function: span attention is causal by the keys' distances,
     the queries' own keys last, so no mask is made; a padding mask (a 2D mask with a zero,
     over every position seen) is handed on as it is, each layer taking its last keys' part.
-    A cache whose keys do not end at the queries (a static cache) is refused."""
+    A cache whose keys do not end at the queries (transformers' static caches) is refused."""
     if int(q_offset) + q_length != int(kv_offset) + kv_length:
         raise UserError("adaptive_span attention needs the queries' keys last: use a "
-                        "DynamicCache or adaspan.hf.SpanCache, not a static cache")
+                        "DynamicCache, adaspan.hf.SpanCache or adaspan.hf.SpanStaticCache, not "
+                        "transformers' static cache")
     if attention_mask is None or bool(attention_mask.all()):
         return None
     return attention_mask

@@ -1,0 +1,125 @@
+"""A key/value cache of fixed size for the spans: ``generate`` and ``torch.compile`` decode
+over buffers allocated once.
+
+Each layer of :class:`SpanStaticCache` holds, for every key/value head, the layer's longest
+window W (a head of a shorter window sees keys beyond it, which its mask m_z weighs 0) and,
+where the spans have sinks, the sequence's first k positions: keys and values (B, Hkv, k + W, d),
+the sinks first, then the window oldest first, in the order the span attention core reads
+them. A decode step (one token at position p) shifts the window by one in place, its own key
+and value last (and into its sink slot while p < k), and hands the attention the buffers
+themselves. The slots before the sequence's first position hold no key: the step tells the
+attention which slots hold one (``span.filled``), and the attention weighs the others 0. Every
+count is a tensor, so that a compiled step reads nothing from the device and does not
+recompile from token to token. A prefill (several tokens) hands the positions held and its
+own, of any length, as ``SpanCache`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import Cache, StaticLayer
+
+from ..errors import UserError
+from .attention import attached_spans
+from .budget import head_dim
+from .span_cache import head_windows
+from .spans import key_value_heads
+
+
+class SpanStaticLayer(StaticLayer):
+    """One layer's keys and values in buffers (B, Hkv, sinks + W, d), W the longest of
+    ``query_windows``: allocated at the first update (or by ``early_initialization``), then
+    updated in place."""
+
+    is_croppable = False  # the window has dropped the positions a rollback would need
+
+    def __init__(self, query_windows: list[int], span: nn.Module) -> None:
+        self.window, self.span, self.sinks = max(query_windows), span, getattr(span, "sinks", 0)
+        super().__init__(max_cache_len=self.sinks + self.window)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._slots = torch.arange(self.window, device=self.device)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
+               ) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[-2] == 1:
+            return self._step(key_states, value_states)
+        return self._prefill(key_states, value_states)
+
+    def _step(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+        """One token at position p (a tensor): the window shifted in place, the buffers handed."""
+        p, k, W = self.cumulative_length.clone(), self.sinks, self.window
+        pairs = ((self.keys, key_states), (self.values, value_states))
+        for buffer, new in pairs:
+            buffer[:, :, k:].copy_(torch.cat([buffer[:, :, k + 1:], new], dim=2))
+        if k:  # while p < k, its sink slot too (past the sinks, its own slot again)
+            sink = torch.where(p < k, p, k + W - 1).view(1)
+            for buffer, new in pairs:
+                buffer.index_copy_(2, sink, new)
+            self.span.handed = (k, p)
+        self.cumulative_length.add_(1)
+        self.span.filled = self._slots >= W - 1 - p
+        return self.keys, self.values
+
+    def _prefill(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+        """M tokens after ``seen`` (read from the device): the sinks, the last W - 1 positions
+        held and the M new ones handed; the last W of them kept, the new sinks in their
+        slots."""
+        seen, M, k, W = int(self.cumulative_length), key_states.shape[-2], self.sinks, self.window
+        held, sinks = min(seen, W - 1), min(k, seen + M)
+        kept = min(W, held + M)
+        handed = []
+        for buffer, new in ((self.keys, key_states), (self.values, value_states)):
+            window = torch.cat([buffer[:, :, k + W - held:], new], dim=2)
+            buffer[:, :, k + W - kept:] = window[:, :, -kept:]
+            buffer[:, :, seen:sinks] = new[:, :, :max(0, sinks - seen)]
+            handed.append(torch.cat([buffer[:, :, :k], window], dim=2))
+        self.cumulative_length.add_(M)
+        if k:
+            self.span.handed = (k, seen)
+        return handed[0], handed[1]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search's reordering of the rows, in place (the buffers keep their storage)."""
+        if self.is_initialized:
+            for buffer in (self.keys, self.values):
+                buffer.copy_(buffer.index_select(0, beam_idx.to(buffer.device)))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Relative to the first query (:meth:`SpanStaticCache.get_query_offset`): at most the
+        W - 1 positions before it and the queries', the queries' own keys last."""
+        return self.window - 1 + query_length, 1 - self.window
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise UserError("SpanStaticCache keeps no positions to roll back to (assisted "
+                        "decoding): use a DynamicCache")
+
+
+class SpanStaticCache(Cache):
+    """A cache of :class:`SpanStaticLayer` of the model's spans (:func:`head_windows`, and the
+    spans' sinks), compileable: ``generate`` and ``torch.compile`` decode over it without
+    recompiling. ``batch_size`` allocates the buffers now (in ``dtype`` on ``device``, by
+    default the model's), else they are allocated at the first update. Built for the spans of
+    the moment: build a new one after the spans change; ``reset()`` empties it for the next
+    sequence, its buffers kept."""
+
+    def __init__(self, model: nn.Module, batch_size: int | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                 ) -> None:
+        layers = [SpanStaticLayer(w, span) for w, span in zip(head_windows(model),
+                                                              attached_spans(model), strict=True)]
+        super().__init__(layers=layers)
+        if batch_size is not None:
+            weight = next(model.parameters())
+            self.early_initialization(batch_size, key_value_heads(model.config),
+                                      head_dim(model.config), dtype or weight.dtype,
+                                      device or weight.device)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """0: the mask sizes are relative to the first query (:meth:`SpanStaticLayer.
+        get_mask_sizes`), so that they do not change from token to token."""
+        return 0
