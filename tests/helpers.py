@@ -166,7 +166,7 @@ def tiny_hf(kind: str, positions: int = 96):
 LLAMA_LAYERS, LLAMA_KV_HEADS, LLAMA_D_HEAD, LLAMA_CONTEXT = 2, 2, 8, 64
 
 
-def tiny_llama(folder: Path) -> Path:
+def tiny_llama(folder: Path, positions: int = LLAMA_CONTEXT) -> Path:
     """A random Llama (2 layers, 4 query heads, 2 key/value heads, 64 positions) with a
     byte tokenizer, saved in ``folder``."""
     from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
@@ -175,7 +175,7 @@ def tiny_llama(folder: Path) -> Path:
     config = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=LLAMA_LAYERS, num_attention_heads=4,
                          num_key_value_heads=LLAMA_KV_HEADS,
-                         max_position_embeddings=LLAMA_CONTEXT)
+                         max_position_embeddings=positions)
     LlamaForCausalLM(config).save_pretrained(folder)
     ByT5Tokenizer(extra_ids=0).save_pretrained(folder)
     return folder

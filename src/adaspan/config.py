@@ -28,6 +28,7 @@ STATE_PER_PARAMETER = {"adagrad": 1, "adamw": 2}  # tensors the size of a parame
 CLIP_MODES = ("per-tensor-lr", "global")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LOSSES = ("distill", "lm", "both")  # what adaspan retrofit trains the spans on
+PENALTIES = ("head", "byte")  # adaspan retrofit's span_loss: lambda / M per head, or per byte
 
 
 class LiveNames(Collection):
@@ -61,6 +62,7 @@ class Registered(LiveNames):
 
 CHOICES: dict[str, Collection[str]] = {}  # option -> the values registered for it
 CHECKS: dict[str, list[Callable[[Any], None]]] = {"model": [], "train": []}  # by section
+RETROFIT_METHODS = Registered("retrofit_method")  # what adaspan retrofit trains (adaspan.hf)
 
 
 def register_choices(option: str, values: Collection[str]) -> None:
@@ -425,6 +427,12 @@ class RetrofitConfig:
     seed: int = 0
     checkpoint_interval: int = 50
     per_kv_head: bool = False  # one z per key/value head (adaspan.hf.add_spans)
+    method: str = "spans"  # what trains: "spans", or "duo" (DuoAttention's gates)
+    sinks: int = 0  # first positions every query reads (spans; duo's streaming heads)
+    penalty: str = "head"  # span_loss as lambda / M per head, or in bits per byte of cache
+    retrieval: float = 0.0  # share of each step's windows that are retrieval prompts
+    retrieval_tasks: str = "passkey"  # their tasks (adaspan.hf.needles), comma-separated
+    streaming_window: int = 256  # duo: the recent positions a streaming head reads
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -442,6 +450,24 @@ class RetrofitConfig:
             raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if not isinstance(self.per_kv_head, bool):
             raise ConfigError(f"per_kv_head must be true or false, got {self.per_kv_head!r}")
+        self._check_methods()
+
+    def _check_methods(self) -> None:
+        """The options of what trains and on what: method, sinks, penalty, retrieval."""
+        if RETROFIT_METHODS and self.method not in RETROFIT_METHODS:  # once adaspan.hf is in
+            raise ConfigError(f"method must be one of {', '.join(RETROFIT_METHODS)}, got "
+                              f"{self.method!r}")
+        if self.penalty not in PENALTIES:
+            raise ConfigError(f"penalty must be one of {', '.join(PENALTIES)}, got "
+                              f"{self.penalty!r}")
+        if self.sinks < 0 or self.streaming_window < 1:
+            raise ConfigError(f"sinks must be >= 0 and streaming_window >= 1, got "
+                              f"{self.sinks} and {self.streaming_window}")
+        if not 0.0 <= self.retrieval <= 1.0:
+            raise ConfigError(f"retrieval is a share of each step's windows in [0, 1], got "
+                              f"{self.retrieval}")
+        if not self.retrieval_tasks.strip(","):
+            raise ConfigError("retrieval_tasks names at least one task")
 
     @property
     def span_limit(self) -> int:

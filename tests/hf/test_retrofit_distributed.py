@@ -19,8 +19,9 @@ from transformers import AutoModelForCausalLM
 from adaspan.cli import main
 from adaspan.config import RetrofitConfig
 from adaspan.hf import load_pretrained, span_modules
+from adaspan.hf.methods import span_parameters
 from adaspan.hf.report import REPORT_FILE
-from adaspan.hf.retrofit import STATE_FILE, Retrofit, retrofit, span_parameters
+from adaspan.hf.retrofit import STATE_FILE, Retrofit, retrofit
 from adaspan.run.lock import WriterLock
 from adaspan.runtime.precision import choose
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import LOSSES, RetrofitConfig
+from ..config import LOSSES, PENALTIES, RetrofitConfig
 from ..data.corpora import resolve_data
 from ..runtime.distributed import Distributed, resolve_device
 from ..runtime.precision import choose
@@ -51,6 +51,7 @@ def add_retrofit(commands) -> None:
                    default=default.checkpoint_interval, help="steps between checkpoints")
     p.add_argument("--per-kv-head", action="store_true", help="one span per key/value head, "
                    "shared by its query heads (the penalty counts the cache held)")
+    _add_method_options(p, default)
     p.add_argument("--resume", action="store_true", help="continue the retrofit in --out")
     p.add_argument("--shard", action="store_true", help="under torchrun, also shard the frozen "
                    "weights over the processes (FSDP2), for a model larger than one device; "
@@ -63,6 +64,23 @@ def add_retrofit(commands) -> None:
     add_output(p, "print the report as JSON", progress=True)
 
 
+def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> None:
+    """What trains (spans or DuoAttention's gates), its sinks and penalty, and the share of
+    retrieval prompts in the training windows."""
+    p.add_argument("--method", default=default.method, help="spans: an adaptive span per head; "
+                   "duo: DuoAttention's gate per key/value head (full or streaming attention)")
+    p.add_argument("--sinks", type=int, default=default.sinks, help="the first positions "
+                   "every query reads whatever its span (attention sinks)")
+    p.add_argument("--penalty", choices=PENALTIES, default=default.penalty, help="the span "
+                   "loss's lambda: per head (lambda/M), or bits of loss per byte of bf16 cache")
+    p.add_argument("--retrieval", type=float, default=default.retrieval, help="share of each "
+                   "step's windows that are retrieval prompts with their answers")
+    p.add_argument("--retrieval-tasks", default=default.retrieval_tasks, help="their tasks "
+                   "(adaspan longeval's), comma-separated")
+    p.add_argument("--streaming-window", type=positive_int, default=default.streaming_window,
+                   help="duo: the recent positions a streaming head reads")
+
+
 def _retrofit(args: argparse.Namespace) -> int:
     """Learn a span per head for a frozen Hugging Face causal LM.
 
@@ -73,12 +91,15 @@ def _retrofit(args: argparse.Namespace) -> int:
     retrofit.md: spans per head, held-out bits per byte, key/value cache bytes and decode
     speed, with full attention and with the spans (see docs/retrofit.md). Under torchrun the
     processes share each step's windows and rank 0 alone writes."""
+    from ..hf import duo  # noqa: F401 (registers the method duo)
     from ..hf.report import markdown, write
 
     config = RetrofitConfig(
         str(args.model_dir.resolve()), resolve_data(args.data), str(args.out.resolve()),
         args.max_span, args.ramp, args.context, args.steps, args.batch_size, args.lr,
-        args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head)
+        args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head,
+        args.method, args.sinks, args.penalty, args.retrieval, args.retrieval_tasks,
+        args.streaming_window)
     dist = Distributed.from_env()
     device = _process_device(args.device, dist)
     with dist.joined(device):  # a sharded model is measured by the processes together
@@ -94,11 +115,17 @@ def _retrofit_and_measure(config: RetrofitConfig, args: argparse.Namespace,
                           device: torch.device, dist: Distributed) -> dict | None:
     """The retrofit, then its report: measured by rank 0 alone, or by every process where the
     frozen weights are sharded; None on the ranks other than 0."""
+    from ..hf.duo import GATES_FILE, read_gates
     from ..hf.report import measure_retrofit
     from ..hf.retrofit import retrofit
 
     run = retrofit(config, choose(args.dtype, device, "train"), args.resume,
                    progress=not args.no_progress, shard=args.shard)
+    if not run.method.report:  # duo: the gates, for the cache policy duo of adaspan longeval
+        if dist.is_main:
+            print(json_line({"method": config.method, "gates": str(args.out / GATES_FILE),
+                             **read_gates(args.out)}))
+        return None
     if not (dist.is_main or args.shard):
         return None
     report = measure_retrofit(run, choose(args.dtype, device, "score"), args.eval_bytes,

@@ -27,6 +27,8 @@ load_model = load_pretrained  # its name before 0.13
 register()
 watch_loading()  # a model of save_model loaded without its spans: one warning
 
+from . import duo  # noqa: E402, F401 (registers the attention, retrofit method and policy duo)
+
 __all__ = ["NAME", "SpanCache", "SpanLayer", "SpanStaticCache", "add_spans", "cache_argument",
            "clamp_spans", "head_windows", "kv_bytes", "load_model", "load_pretrained",
            "load_spans", "save_model", "save_spans", "span_loss", "span_modules", "windows"]

@@ -9,7 +9,8 @@ then binarised at a budget: the heads of the greatest alpha keep every position 
 heads"), the others sinks + window ("streaming heads"), as many of the first as the budget in
 bytes holds. The attention ``"duo"`` (registered with transformers) computes the mixture for
 training; the binarised model runs as :func:`adaspan.hf.windows.hard_windows` over a
-``SpanCache`` (cache policy ``duo``).
+``SpanCache`` (cache policy ``duo``). ``adaspan retrofit --method duo`` trains the gates
+with the spans' data, steps and distillation loss.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention.core import span_attention
 from ..attention.sinks import Sinks
+from ..config import RetrofitConfig
 from ..errors import UserError, one_line
 from .budget import position_bytes
 from .cache_policies import CachePolicy, register_policy
+from .methods import Method, register_method
 from .span_cache import SpanCache
 from .spans import attention_modules, key_value_heads
 from .windows import hard_windows, whole_option
@@ -72,7 +75,7 @@ def duo_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
         sinks=Sinks(key[:, :, :gate.sinks], value[:, :, :gate.sinks], 0)
         if gate.sinks else None)
     alpha = gate.alpha.clamp(0, 1).repeat_interleave(Hq // Hkv).view(1, Hq, 1, 1)
-    out = torch.lerp(stream, full, alpha.to(full.dtype))
+    out = torch.lerp(stream.to(full.dtype), full, alpha.to(full.dtype))  # autocast: sdpa's
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -166,6 +169,19 @@ class DuoPolicy(CachePolicy):
             yield SpanCache(self.model)
 
 
+def _attach(model: nn.Module, config: RetrofitConfig) -> None:
+    add_gates(model, config.streaming_window, config.sinks)
+
+
+def _alphas(model: nn.Module) -> list[nn.Parameter]:
+    return [gate.alpha for gate in gates(model)]
+
+
+def _penalty(model: nn.Module, config: RetrofitConfig) -> Tensor:
+    return gate_loss(model, config.span_loss)
+
+
 AttentionInterface.register(NAME, duo_attention)
 AttentionMaskInterface.register(NAME, no_mask)
 register_policy(NAME, DuoPolicy)
+register_method(NAME, Method(_attach, _alphas, _penalty, clamp_gates, save_gates, report=False))

@@ -34,7 +34,8 @@ from ..data.files import atomic_write
 from ..measure.tables import span_table
 from ..runtime.precision import Precision
 from .attention import span_modules
-from .retrofit import Retrofit, encode, full_attention
+from .retrofit import Retrofit, full_attention
+from .retrofit_data import encode
 from .span_cache import SpanCache, cache_argument, kv_bytes
 from .spans import key_value_heads
 

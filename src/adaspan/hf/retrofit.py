@@ -25,7 +25,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
@@ -34,20 +33,18 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
-from ..attention.span import clamp_spans, span_loss
 from ..config import RetrofitConfig
-from ..data.corpora import load_corpus
 from ..data.files import atomic_write, load_pickled_tensors
 from ..errors import ConfigError, UserError, one_line
 from ..run.lock import hold
 from ..runtime.distributed import Distributed
 from ..runtime.precision import Precision
-from .attention import span_modules
-from .spans import add_spans, save_model
+from ..runtime.signals import deferred_signals
+from .methods import METHODS, Method
+from .retrofit_data import TrainData
 
 STATE_FILE = "retrofit_state.pt"  # the step, z' of every layer, the optimiser
 SETTINGS_FILE = "retrofit_settings.json"  # the RetrofitConfig of the run
-TRAIN_BYTES_PER_TOKEN = 8  # text read for training: this many bytes per token a run can use
 
 
 class RetrofitError(UserError):
@@ -79,32 +76,6 @@ def full_attention(model: nn.Module, original: str) -> Iterator[None]:
         model.set_attn_implementation(spans)
 
 
-def encode(tokenizer, data: bytes | np.ndarray) -> Tensor:
-    """Token ids (int64, 1-D) of UTF-8 bytes (a character cut at the end is dropped)."""
-    text = bytes(data).decode("utf-8", errors="ignore")
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def train_tokens(config: RetrofitConfig, tokenizer) -> Tensor:
-    """The token ids of the start of the text's train split that the run draws windows from
-    (``TRAIN_BYTES_PER_TOKEN`` bytes per token it can use; adaspan's 90/5/5 split)."""
-    corpus = load_corpus(config.data, progress=False)
-    usable = config.steps * config.batch_size * config.context
-    ids = encode(tokenizer, corpus.train[: usable * TRAIN_BYTES_PER_TOKEN])
-    if len(ids) <= config.context:
-        raise ConfigError(f"the train split of {config.data} has {len(ids)} tokens, too few "
-                          f"for one window of context={config.context}")
-    return ids
-
-
-def window_batch(tokens: Tensor, config: RetrofitConfig, step: int) -> Tensor:
-    """The (batch_size, context) windows of step ``step``, drawn from (seed, step) alone."""
-    rng = np.random.default_rng([config.seed, step])
-    starts = rng.integers(0, len(tokens) - config.context + 1, config.batch_size)
-    return torch.stack([tokens[s : s + config.context] for s in starts.tolist()])
-
-
 def span_losses(model: nn.Module, original: str, x: Tensor, config: RetrofitConfig
                 ) -> dict[str, Tensor]:
     """The terms of the loss on windows ``x``: ``kl`` (nats per token, teacher = the frozen
@@ -121,37 +92,27 @@ def span_losses(model: nn.Module, original: str, x: Tensor, config: RetrofitConf
                                 reduction="batchmean")
     if config.loss in ("lm", "both"):
         losses["nll"] = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
-    losses["penalty"] = span_loss(model, config.span_loss)
+    losses["penalty"] = METHODS[config.method].penalty(model, config)
     return losses
 
 
-def span_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """z' of every layer, in layer order: the only trained tensors."""
-
-    return [span.z_frac for span in span_modules(model)]
-
-
-def attach_spans(model: nn.Module, config: RetrofitConfig) -> None:
-    """The spans of ``config`` attached to ``model`` at z' = 1 (the model unchanged)."""
-    add_spans(model, config.span_limit, config.ramp, init=1.0, per_kv_head=config.per_kv_head)
-
-
-def shard_frozen(model: nn.Module, device: torch.device) -> None:
+def shard_frozen(model: nn.Module, device: torch.device, method: Method) -> None:
     """FSDP2 ``fully_shard`` of the frozen weights over the job's processes, on ``device``:
-    each decoder layer (transformers' ``_no_split_modules``), then the rest; z' of every layer
-    stays whole on every process (moved to ``device``), its gradients averaged by the step."""
+    each decoder layer (transformers' ``_no_split_modules``), then the rest; what trains (z' of
+    every layer) stays whole on every process (moved to ``device``), its gradients averaged by
+    the step."""
     from torch.distributed.device_mesh import init_device_mesh  # not in every torch build
     from torch.distributed.fsdp import fully_shard
 
-    keep = set(span_parameters(model))
+    keep = set(method.parameters(model))
     mesh = init_device_mesh(device.type, (torch_dist.get_world_size(),))
     layers = set(getattr(model, "_no_split_modules", None) or ())
     for module in list(model.modules()):
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh, ignored_params=keep)
     fully_shard(model, mesh=mesh, ignored_params=keep)
-    for span in span_modules(model):
-        span.to(device)
+    for param in keep:
+        param.data = param.data.to(device)
 
 
 @dataclass
@@ -164,7 +125,7 @@ class Retrofit:
     model: nn.Module
     tokenizer: object
     original: str
-    tokens: Tensor
+    data: TrainData
     optimizer: torch.optim.Optimizer
     step: int = 0
     dist: Distributed = field(default_factory=Distributed)
@@ -174,20 +135,28 @@ class Retrofit:
     def out(self) -> Path:
         return Path(self.config.out)
 
+    @property
+    def method(self) -> Method:
+        """What trains (``config.method``)."""
+        return METHODS[self.config.method]
+
+    def trained(self, model: nn.Module | None = None) -> list[nn.Parameter]:
+        """The trained tensors of ``model`` (the run's), in layer order."""
+        return self.method.parameters(self.model if model is None else model)
+
     def save_state(self) -> None:
         """The checkpoint: step, z', optimiser (written atomically, by rank 0: every rank holds
         the same)."""
         if not self.dist.is_main:
             return
-        state = {"step": self.step, "z_frac": [p.detach().cpu() for p in
-                                               span_parameters(self.model)],
+        state = {"step": self.step, "z_frac": [p.detach().cpu() for p in self.trained()],
                  "optimizer": self.optimizer.state_dict()}
         atomic_write({self.out / STATE_FILE: lambda path: torch.save(state, path)})
 
     def restore(self) -> None:
         state = load_pickled_tensors(self.out / STATE_FILE)
         with torch.no_grad():
-            for param, saved in zip(span_parameters(self.model), state["z_frac"], strict=True):
+            for param, saved in zip(self.trained(), state["z_frac"], strict=True):
                 param.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
@@ -198,15 +167,15 @@ class Retrofit:
         (each a mean over as many tokens), so every rank takes the step of the whole batch."""
 
         rows = self.dist.rows(self.config.batch_size)
-        x = window_batch(self.tokens, self.config, self.step)[rows].to(precision.device)
+        x = self.data.batch(self.step)[rows].to(precision.device)
         with precision.applied():
             losses = span_losses(self.model, self.original, x, self.config)
         self.optimizer.zero_grad(set_to_none=True)
         sum(losses.values()).backward()
         terms = torch.stack([value.detach().float() for value in losses.values()])
-        self.dist.average([*(p.grad for p in span_parameters(self.model)), terms])
+        self.dist.average([*(p.grad for p in self.trained()), terms])
         self.optimizer.step()
-        clamp_spans(self.model)
+        self.method.clamp(self.model)
         self.step += 1
         return dict(zip(losses, terms.tolist(), strict=True))
 
@@ -218,26 +187,31 @@ class Retrofit:
         model = self.model
         if self.sharded:
             model = load_frozen(self.config.model_dir)[0]
-            attach_spans(model, self.config)
+            self.method.attach(model, self.config)
             with torch.no_grad():
-                for saved, trained in zip(span_parameters(model), span_parameters(self.model),
+                for saved, trained in zip(self.trained(model), self.trained(),
                                           strict=True):
                     saved.copy_(trained)
-        save_model(model, self.out)
+        self.method.save(model, self.out)
         self.tokenizer.save_pretrained(self.out)
 
     def run(self, precision: Precision, progress: bool = True) -> None:
         """Steps up to ``config.steps``, a checkpoint every ``checkpoint_interval`` and at the
-        end; interrupted (Ctrl-C), the steps done are saved first."""
+        end; a signal (Ctrl-C, SIGTERM) stops the run after the step it came in, every process
+        agreeing, the steps done saved first (a second signal stops at once, saved as well)."""
         bar = tqdm(total=self.config.steps, initial=self.step, unit="step",
                    dynamic_ncols=True, disable=None if progress else True)
         try:
-            while self.step < self.config.steps:
-                losses = self.train_step(precision)
-                bar.update()
-                bar.set_postfix(losses, refresh=False)
-                if self.step % self.config.checkpoint_interval == 0:
-                    self.save_state()
+            with deferred_signals() as received:
+                while self.step < self.config.steps:
+                    losses = self.train_step(precision)
+                    bar.update()
+                    bar.set_postfix(losses, refresh=False)
+                    if self.step % self.config.checkpoint_interval == 0:
+                        self.save_state()
+                    if self.dist.largest([received() != 0])[0]:
+                        raise KeyboardInterrupt(f"stopped after step {self.step}, saved: "
+                                                "--resume continues")
         except KeyboardInterrupt:
             self.save_state()
             raise
@@ -285,13 +259,14 @@ def prepare(config: RetrofitConfig, resume: bool, device: torch.device, dist: Di
     if not shard:
         model.to(device)
     original = model.config._attn_implementation
-    attach_spans(model, config)
+    method = METHODS[config.method]
+    method.attach(model, config)
     if shard:
-        shard_frozen(model, device)
-    optimizer = torch.optim.Adam(span_parameters(model), lr=config.lr)
+        shard_frozen(model, device, method)
+    optimizer = torch.optim.Adam(method.parameters(model), lr=config.lr)
     with dist.main_first():
-        tokens = train_tokens(config, tokenizer)
-    retrofit = Retrofit(config, model, tokenizer, original, tokens, optimizer, dist=dist,
+        data = TrainData.read(config, tokenizer)
+    retrofit = Retrofit(config, model, tokenizer, original, data, optimizer, dist=dist,
                         sharded=shard)
     if resume:
         retrofit.restore()

@@ -17,7 +17,6 @@ import gc
 import math
 import random
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager, nullcontext
@@ -49,6 +48,7 @@ from ..run.tokens import (
 )
 from ..runtime.distributed import Distributed, resolve_device, use_threads
 from ..runtime.precision import Precision, choose
+from ..runtime.signals import deferred_signals
 from .evaluate import evaluate
 from .memory import MemoryPlan, MemoryWatch, check_training_memory, memory_available
 from .optim import build_optimizer, build_scheduler, lr_factor, set_lr, step_with_tensor_clip
@@ -307,7 +307,7 @@ class _Loop:
         self.bar = tqdm(total=self.config.steps, initial=self.state.step, unit="step",
                         dynamic_ncols=True, disable=None if self.run.progress else True)
         try:
-            with self.bar, _deferred_signals() as received:
+            with self.bar, deferred_signals() as received:
                 stopped = self._steps(received)
         finally:
             self.recorder.close()
@@ -474,26 +474,3 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-@contextmanager
-def _deferred_signals() -> Iterator[Callable[[], int]]:
-    """Turn the first SIGINT or SIGTERM into a value checked between steps (the signal's
-    number; 0 while none came); a second one interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: 0
-        return
-    received = 0
-
-    def handler(signum: int, frame: object) -> None:
-        nonlocal received
-        if received:
-            raise KeyboardInterrupt
-        received = signum
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield lambda: received
-    finally:
-        for sig, handler_before in previous.items():
-            signal.signal(sig, handler_before)

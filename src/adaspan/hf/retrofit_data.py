@@ -1,0 +1,90 @@
+"""What ``adaspan retrofit`` trains on: windows of the text's train split, and, as a share of
+each step's windows (``RetrofitConfig.retrieval``), synthetic retrieval prompts followed by
+their answers (:mod:`adaspan.hf.needles`: haystacks of the same text). Everything a step reads
+is drawn from (seed, step) alone, so a resumed run continues bit for bit, whatever its
+``steps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..config import RetrofitConfig
+from ..data.corpora import load_corpus
+from ..errors import ConfigError
+from .needles import Haystack, make
+
+POOL_BYTES = 1 << 24  # the start of the train split that windows and haystacks are drawn from
+TRAIN_SEEDS = 10**6  # retrieval prompts of training take seeds from here on (longeval's: 0 on)
+
+
+def encode(tokenizer, data: bytes | np.ndarray) -> Tensor:
+    """Token ids (int64, 1-D) of UTF-8 bytes (a character cut at the end is dropped)."""
+    text = bytes(data).decode("utf-8", errors="ignore")
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def window_batch(tokens: Tensor, config: RetrofitConfig, step: int) -> Tensor:
+    """The (batch_size, context) windows of step ``step``, drawn from (seed, step) alone."""
+    rng = np.random.default_rng([config.seed, step])
+    starts = rng.integers(0, len(tokens) - config.context + 1, config.batch_size)
+    return torch.stack([tokens[s : s + config.context] for s in starts.tolist()])
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """The train tokens (the first ``POOL_BYTES`` of the train split), the haystack of the
+    retrieval prompts (None without them) and the token that pads a prompt to the context."""
+
+    config: RetrofitConfig
+    tokens: Tensor
+    haystack: Haystack | None
+    pad: int
+
+    @classmethod
+    def read(cls, config: RetrofitConfig, tokenizer) -> TrainData:
+        """The data of ``config``; too little text, or a task that cannot fit the context, is
+        a one-line ``ConfigError`` before any step."""
+        text = bytes(load_corpus(config.data, progress=False).train[:POOL_BYTES])
+        tokens = encode(tokenizer, text)
+        if len(tokens) <= config.context:
+            raise ConfigError(f"the train split of {config.data} has {len(tokens)} tokens, too "
+                              f"few for one window of context={config.context}")
+        haystack = None
+        if config.retrieval:
+            haystack = Haystack(text.decode("utf-8", errors="ignore"), tokenizer)
+            for task in config.retrieval_tasks.split(","):
+                make(task, haystack, config.context, 0.5, TRAIN_SEEDS)  # fits, or says why
+        pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None),
+                   0)
+        return cls(config, tokens, haystack, pad)
+
+    def batch(self, step: int) -> Tensor:
+        """The (batch_size, context) token ids of step ``step``: windows of the text, the last
+        ``round(retrieval * batch_size)`` of them replaced by retrieval prompts."""
+        x = window_batch(self.tokens, self.config, step)
+        count = round(self.config.retrieval * self.config.batch_size)
+        if count:
+            x[-count:] = self.retrieval_rows(step, count)
+        return x
+
+    def retrieval_rows(self, step: int, count: int) -> Tensor:
+        """``count`` prompts of the step (a task of ``retrieval_tasks``, a depth uniform in
+        [0, 1], a seed from ``TRAIN_SEEDS`` on), each followed by its values and padded."""
+        config, haystack = self.config, self.haystack
+        rng = np.random.default_rng([config.seed, step, 1])
+        tasks = config.retrieval_tasks.split(",")
+        rows = []
+        for _ in range(count):
+            task = tasks[int(rng.integers(len(tasks)))]
+            sample = make(task, haystack, config.context, float(rng.random()),
+                          TRAIN_SEEDS + int(rng.integers(1 << 30)))
+            answer = haystack.count_ids(" " + ", ".join(sample.answers) + ".")
+            ids = [*sample.ids, *answer][: config.context]
+            rows.append(ids + [self.pad] * (config.context - len(ids)))
+        return torch.tensor(rows, dtype=torch.long)

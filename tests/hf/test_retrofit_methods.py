@@ -1,0 +1,115 @@
+"""What adaspan retrofit trains and on what: spans with sinks and a penalty per byte of cache,
+DuoAttention's gates (--method duo), retrieval prompts mixed into the windows, and a resumed
+run given more steps equal to one run of as many."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import retrofit_options as options
+from helpers import tiny_llama
+from transformers import AutoTokenizer
+
+from adaspan.cli import main
+from adaspan.errors import ConfigError
+from adaspan.hf import load_pretrained, span_modules
+from adaspan.hf.budget import cache_loss
+from adaspan.hf.duo import read_gates
+from adaspan.hf.methods import span_parameters, span_penalty
+from adaspan.hf.retrofit import Retrofit, retrofit
+from adaspan.hf.retrofit_data import TrainData, window_batch
+from adaspan.runtime.precision import choose
+
+FP32 = choose("float32", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("llama"), positions=400)
+
+
+def test_retrieval_prompts_replace_the_last_windows(model_dir, tmp_path):
+    config = options(model_dir, tmp_path, context=400, batch_size=4, retrieval=0.5,
+                     retrieval_tasks="passkey,single_needle")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = TrainData.read(config, tokenizer)
+    x = data.batch(3)
+    assert x.shape == (4, 400) and torch.equal(x, data.batch(3))  # drawn from (seed, step)
+    assert torch.equal(x[:2], window_batch(data.tokens, config, 3)[:2])
+    for row in x[2:]:
+        text = tokenizer.decode(row, skip_special_tokens=True)
+        value = text.rsplit(" ", 1)[-1].rstrip(".")  # the answer, after the question
+        assert value.isdigit() and text.count(value) >= 2  # where it was hidden, and answered
+    assert not torch.equal(x[2:], data.batch(4)[2:])
+
+
+def test_a_task_longer_than_the_context_is_refused_before_any_step(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="retrieval"):
+        options(model_dir, tmp_path, retrieval=1.5)
+    with pytest.raises(Exception, match="too short"):
+        retrofit(options(model_dir, tmp_path / "out", retrieval=0.5), FP32, progress=False)
+
+
+def test_spans_with_sinks_and_a_penalty_per_byte(model_dir, tmp_path):
+    config = options(model_dir, tmp_path / "out", sinks=2, penalty="byte", span_loss=1e-3)
+    run = retrofit(config, FP32, progress=False)
+    assert span_penalty(run.model, config).item() == pytest.approx(
+        cache_loss(run.model, 1e-3, 2).item())
+    assert [s.sinks for s in span_modules(load_pretrained(tmp_path / "out"))] == [2, 2]
+    assert any((p < 1).any() for p in span_parameters(run.model))
+
+
+def test_a_resumed_run_given_more_steps_is_one_run_of_as_many(model_dir, tmp_path):
+    whole = retrofit(options(model_dir, tmp_path / "whole"), FP32, progress=False)
+    retrofit(options(model_dir, tmp_path / "parts", steps=3), FP32, progress=False)
+    resumed = retrofit(options(model_dir, tmp_path / "parts"), FP32, resume=True,
+                       progress=False)
+    for a, b in zip(span_parameters(whole.model), span_parameters(resumed.model), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_duo_trains_a_gate_per_key_value_head(model_dir, tmp_path, capsys):
+    out = tmp_path / "duo"
+    assert main(["retrofit", str(model_dir), "--data", "kjv", "--out", str(out), "--method",
+                 "duo", "--steps", "3", "--context", "64", "--batch-size", "2", "--lr", "0.2",
+                 "--span-loss", "1", "--streaming-window", "8", "--sinks", "2",
+                 "--no-progress"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    gates = read_gates(out)
+    assert printed["alpha"] == [pytest.approx(row, rel=1e-5) for row in gates["alpha"]]
+    assert (gates["window"], gates["sinks"]) == (8, 2)
+    assert len(gates["alpha"]) == 2 and all(len(row) == 2 for row in gates["alpha"])
+    assert all(0 <= a < 1 for row in gates["alpha"] for a in row)  # the penalty moved them
+
+
+def test_an_unknown_method_is_one_line(model_dir, tmp_path, capsys):
+    assert main(["retrofit", str(model_dir), "--data", "kjv", "--out", str(tmp_path / "x"),
+                 "--method", "magic"]) == 2
+    err = capsys.readouterr().err
+    assert "method must be one of spans, duo" in err and err.count("\n") == 1
+
+
+def test_a_signal_stops_after_its_step_and_resumes_exactly(model_dir, tmp_path, monkeypatch):
+    """SIGINT in the middle of step 3: the step ends, is saved, and the resumed run equals an
+    uninterrupted one."""
+    whole = retrofit(options(model_dir, tmp_path / "whole"), FP32, progress=False)
+    step = Retrofit.train_step
+
+    def signalled(self, precision):
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(self, precision)
+
+    monkeypatch.setattr(Retrofit, "train_step", signalled)
+    with pytest.raises(KeyboardInterrupt, match="stopped after step 3"):
+        retrofit(options(model_dir, tmp_path / "parts"), FP32, progress=False)
+    monkeypatch.setattr(Retrofit, "train_step", step)
+    resumed = retrofit(options(model_dir, tmp_path / "parts"), FP32, resume=True,
+                       progress=False)
+    for a, b in zip(span_parameters(whole.model), span_parameters(resumed.model), strict=True):
+        assert torch.equal(a, b)
