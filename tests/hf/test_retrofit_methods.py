@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script, tiny_llama
 from helpers import retrofit_options as options
-from helpers import tiny_llama
 from transformers import AutoTokenizer
 
 from adaspan.cli import main
@@ -113,3 +113,21 @@ def test_a_signal_stops_after_its_step_and_resumes_exactly(model_dir, tmp_path, 
                        progress=False)
     for a, b in zip(span_parameters(whole.model), span_parameters(resumed.model), strict=True):
         assert torch.equal(a, b)
+
+
+def test_retrieval_budget_script(model_dir, tmp_path, capsys):
+    """The comparison at one budget runs end to end at a tiny size: every policy scored, the
+    baselines held within the spans' budget."""
+    script = load_script("retrieval_budget")
+    result = script.main([str(model_dir), "--data", "kjv", "--haystack", "kjv", "--out",
+                          str(tmp_path / "cmp"), "--context", "400", "--lengths", "400",
+                          "--depths", "0.5", "--tasks", "passkey,single_needle", "--samples",
+                          "1", "--steps", "2", "--sinks", "2", "--streaming-window", "16",
+                          "--eval-bytes", "500", "--decode-tokens", "2", "--span-loss", "1e-3"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
+    assert set(result["policies"]) == {"full", "spans", "streaming", "duo", "snapkv"}
+    budget = result["budget_bytes"]
+    for name in ("streaming", "duo", "snapkv"):
+        assert result["policies"][name]["kv_bytes"]["400"] <= budget, name
+    assert result["policies"]["spans"]["kv_bytes"]["400"] == budget
+    assert set(result["policies"]["spans"]["accuracy"]) == {"passkey", "single_needle"}

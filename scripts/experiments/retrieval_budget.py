@@ -1,0 +1,129 @@
+"""Learned spans against the key/value-cache methods users would pick instead, on long-context
+retrieval at one cache budget, side by side on one model, and print the comparison as JSON.
+
+    python scripts/experiments/retrieval_budget.py /work/evidence/llama-retrieval \
+        --data /work/shared/corpora/gcide.txt.gz --haystack kjv --out /work/evidence/budget \
+        --context 4096 --lengths 2048,4096 --steps 60 --span-loss 1e-5
+
+1. ``adaspan retrofit`` learns spans (``--method spans``, penalty per byte of cache, sinks, one
+   span per key/value head) and DuoAttention's gates (``--method duo``) with the same data and
+   steps: windows of ``--data`` of which ``--retrieval`` are ``--retrieval-tasks`` prompts
+   (pass key alone by default).
+2. The budget is the mean of the bytes the spans' cache holds after the longest prompts.
+3. ``adaspan longeval`` scores, on the ``--haystack`` text (which the spans did not train on)
+   and every task (most of which they did not see): the model with full attention (``full``),
+   with its spans (``spans``), and at the spans' budget StreamingLLM (``streaming``),
+   DuoAttention's binarised heads (``duo``) and SnapKV (``snapkv``).
+
+Output: ``--out`` holds each run (``spans/``, ``duo/``, ``eval-POLICY/`` with the heatmaps) and
+``retrieval_budget.json``: per policy the mean accuracy per task and length, the bytes held,
+and the spans' retrofit report (held-out bits per byte, decode speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+from pathlib import Path
+
+from adaspan.cli import main as adaspan
+
+POLICIES = ("full", "spans", "streaming", "duo", "snapkv")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("model_dir", type=Path, help="a Hugging Face causal LM trained with full attention")
+    add("--data", required=True, help="the text of the retrofits' windows and haystacks")
+    add("--haystack", required=True, help="the text of the evaluation's haystacks")
+    add("--out", type=Path, required=True)
+    add("--context", type=int, default=4096)
+    add("--lengths", default="2048,4096")
+    add("--depths", default="0,0.25,0.5,0.75,1")
+    add("--tasks", default="passkey,single_needle,multi_key,multi_value,variable_tracking")
+    add("--samples", type=int, default=2)
+    add("--steps", type=int, default=60)
+    add("--batch-size", type=int, default=2)
+    add("--span-loss", type=float, default=1e-5, help="bits of loss per byte of cache")
+    add("--duo-loss", type=float, default=0.05, help="DuoAttention's L1 coefficient")
+    add("--lr", type=float, default=0.02)
+    add("--sinks", type=int, default=4)
+    add("--streaming-window", type=int, default=256)
+    add("--retrieval", type=float, default=0.5)
+    add("--retrieval-tasks", default="passkey")
+    add("--eval-bytes", type=int, default=65536)
+    add("--decode-tokens", type=int, default=64)
+    add("--threads", type=int, default=0, help="torch's CPU threads (0: its default)")
+    return parser.parse_args(argv)
+
+
+def run(*argv: str) -> dict:
+    """``adaspan ARGV --json``'s output, parsed (a failure stops the script)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = adaspan([*argv, "--json", "--no-progress"])
+    if status:
+        raise SystemExit(f"adaspan {' '.join(argv)} failed with status {status}")
+    return json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
+    """The retrofit of ``method`` into ``--out/method`` (kept when already there)."""
+    out = args.out / method
+    if (out / ("duo_gates.json" if method == "duo" else "retrofit.json")).exists():
+        return (json.loads((out / "retrofit.json").read_text()) if method == "spans"
+                else {"gates": str(out)})
+    return run("retrofit", str(args.model_dir), "--data", args.data, "--out", str(out),
+               "--method", method, "--context", str(args.context), "--steps", str(args.steps),
+               "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--span-loss",
+               str(coef), "--penalty", "byte", "--per-kv-head", "--sinks", str(args.sinks),
+               "--streaming-window", str(args.streaming_window), "--retrieval",
+               str(args.retrieval), "--retrieval-tasks", args.retrieval_tasks, "--eval-bytes",
+               str(args.eval_bytes), "--decode-tokens", str(args.decode_tokens), "--threads",
+               str(args.threads))
+
+
+def longeval(args: argparse.Namespace, model: Path, cache: str, name: str) -> dict:
+    return run("longeval", str(model), "--haystack", args.haystack, "--tasks", args.tasks,
+               "--lengths", args.lengths, "--depths", args.depths, "--samples",
+               str(args.samples), "--cache", cache, "--out", str(args.out / f"eval-{name}"),
+               "--threads", str(args.threads))
+
+
+def summary(result: dict) -> dict:
+    """Per task and length the mean accuracy over depths; per length the bytes held."""
+    return {"accuracy": {task: {n: cell["mean"] for n, cell in lengths.items()}
+                         for task, lengths in result["results"].items()},
+            "kv_bytes": {n: cell["kv_bytes"] for n, cell in result["mean"].items()},
+            "mean": {n: cell["accuracy"] for n, cell in result["mean"].items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = retrofit(args, "spans", args.span_loss)
+    retrofit(args, "duo", args.duo_loss)
+    evaluated = {"full": longeval(args, args.model_dir, "full", "full"),
+                 "spans": longeval(args, args.out / "spans", "spans", "spans")}
+    longest = args.lengths.split(",")[-1]
+    budget = evaluated["spans"]["mean"][longest]["kv_bytes"]
+    specs = {"streaming": f"streaming:budget={budget},sinks={args.sinks}",
+             "duo": f"duo:gates={args.out / 'duo'},budget={budget}",
+             "snapkv": f"snapkv:bytes={budget}"}
+    for name, spec in specs.items():
+        evaluated[name] = longeval(args, args.model_dir, spec, name)
+    result = {"model": str(args.model_dir), "budget_bytes": budget, "at_length": longest,
+              "options": {k: str(v) for k, v in vars(args).items()},
+              "retrofit": {k: report.get(k) for k in ("spans", "heldout", "cache")},
+              "policies": {name: {"cache": evaluated[name]["cache"], **summary(evaluated[name])}
+                           for name in POLICIES}}
+    (args.out / "retrieval_budget.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
