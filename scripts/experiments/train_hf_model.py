@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--tokens-per-step", type=int, default=8192, help="tokens of a retrieval step")
     add("--answer-weight", type=float, default=1.0, help="loss weight of an answer's tokens")
     add("--haystack-bytes", type=int, default=2_000_000, help="train text the haystacks use")
+    add("--init", type=Path, default=None, help="start from this saved model (a new schedule "
+        "and optimiser; the options of its shape are read from it)")
     args = parser.parse_args(argv)
     args.tasks = args.tasks.split(",")
     args.lengths = [int(n) for n in (args.lengths or str(args.context)).split(",")]
@@ -160,7 +162,7 @@ def train(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     haystack = Haystack(bytes(corpus.train[: args.haystack_bytes]).decode("utf-8", "ignore"),
                         ByT5Tokenizer(extra_ids=0)) if args.retrieval else None
-    model = build_model(args)
+    model = LlamaForCausalLM.from_pretrained(args.init) if args.init else build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
                                   weight_decay=0.01)
     start, step = time.perf_counter(), 0
