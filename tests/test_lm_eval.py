@@ -43,15 +43,19 @@ class ByteTokenizer(ByT5Tokenizer):
         return ids if pair is None else ids + pair
 
 
-def test_lm_eval_scores_a_model_with_spans(tmp_path, monkeypatch):
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
+def local_task(tmp_path, monkeypatch):
+    """lm-eval's TaskManager with the task ``adaspan_tiny`` of :data:`ROWS`, offline."""
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     (tmp_path / "data.jsonl").write_text(
         "".join(json.dumps({"context": c, "continuation": t}) + "\n" for c, t in ROWS))
     (tmp_path / "task.yaml").write_text(TASK.format(data=tmp_path / "data.jsonl"))
+    return TaskManager(include_path=str(tmp_path))
+
+
+def spans_model() -> LlamaForCausalLM:
+    """A tiny random Llama with short spans (5 to 30 of S = 64)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4,
@@ -59,10 +63,12 @@ def test_lm_eval_scores_a_model_with_spans(tmp_path, monkeypatch):
     add_spans(model.eval(), max_span=64, ramp=4)
     for span in span_modules(model):
         span.set_spans(torch.tensor([5.0, 9.0, 17.0, 30.0]))
-    tokenizer = ByteTokenizer(extra_ids=0)
-    out = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=3),
-                          tasks=["adaspan_tiny"], log_samples=True,
-                          task_manager=TaskManager(include_path=str(tmp_path)))
+    return model
+
+
+def assert_scores_are_the_model(out: dict, model, tokenizer) -> dict[str, float]:
+    """lm-eval's log-likelihood of each continuation is ``model``'s own, within 1e-4; returns
+    them by context."""
     scored = {s["doc"]["context"]: s["resps"][0][0][0] for s in out["samples"]["adaspan_tiny"]}
     for context, continuation in ROWS:
         ids = tokenizer(context + continuation, add_special_tokens=False,
@@ -72,6 +78,18 @@ def test_lm_eval_scores_a_model_with_spans(tmp_path, monkeypatch):
             log_probs = model(ids).logits[0, :-1].log_softmax(-1)
         direct = log_probs[-n:].gather(-1, ids[0, -n:, None]).sum().item()
         assert scored[context] == pytest.approx(direct, abs=1e-4)
+    return scored
+
+
+def test_lm_eval_scores_a_model_with_spans(tmp_path, monkeypatch):
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    tasks, model = local_task(tmp_path, monkeypatch), spans_model()
+    tokenizer = ByteTokenizer(extra_ids=0)
+    out = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=3),
+                          tasks=["adaspan_tiny"], log_samples=True, task_manager=tasks)
+    scored = assert_scores_are_the_model(out, model, tokenizer)
     assert out["results"]["adaspan_tiny"]["perplexity,none"] > 1
     for span in span_modules(model):  # spans that cover every text: the model without spans
         span.set_spans(torch.full((4,), 64.0))

@@ -145,37 +145,18 @@ def test_lm_eval_and_pipeline_load_the_directory_with_its_spans(tmp_path, monkey
     pytest.importorskip("lm_eval", reason="needs lm-eval (the dev install has it)")
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-    from test_lm_eval import ROWS, TASK, ByteTokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, pipeline
+    from test_lm_eval import ByteTokenizer, assert_scores_are_the_model, local_task, spans_model
+    from transformers import pipeline
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    (tmp_path / "data.jsonl").write_text(
-        "".join(json.dumps({"context": c, "continuation": t}) + "\n" for c, t in ROWS))
-    (tmp_path / "task.yaml").write_text(TASK.format(data=tmp_path / "data.jsonl"))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, max_position_embeddings=128))
-    add_spans(model.eval(), max_span=64, ramp=4)
-    for span in span_modules(model):
-        span.set_spans(torch.tensor([5.0, 9.0, 17.0, 30.0]))
+    tasks, model = local_task(tmp_path, monkeypatch), spans_model()
     save_model(model, tmp_path / "model")
     tokenizer = ByteTokenizer(extra_ids=0)
     lm = HFLM(pretrained=str(tmp_path / "model"), tokenizer=tokenizer, batch_size=3,
               device="cpu", trust_remote_code=True)
     assert_same_spans(model, lm.model)
     out = simple_evaluate(model=lm, tasks=["adaspan_tiny"], log_samples=True,
-                          task_manager=TaskManager(include_path=str(tmp_path)))
-    scored = {s["doc"]["context"]: s["resps"][0][0][0] for s in out["samples"]["adaspan_tiny"]}
-    for context, continuation in ROWS:
-        ids = tokenizer(context + continuation, add_special_tokens=False,
-                        return_tensors="pt").input_ids
-        n = len(continuation.encode())
-        with torch.no_grad():
-            log_probs = model(ids).logits[0, :-1].log_softmax(-1)
-        direct = log_probs[-n:].gather(-1, ids[0, -n:, None]).sum().item()
-        assert scored[context] == pytest.approx(direct, abs=1e-4)
+                          task_manager=tasks)
+    assert_scores_are_the_model(out, model, tokenizer)
     generator = pipeline("text-generation", model=str(tmp_path / "model"), tokenizer=tokenizer,
                          trust_remote_code=True)
     assert_same_spans(model, generator.model)
