@@ -6,7 +6,7 @@ spans, sdpa attention over transformers' ``DynamicCache`` (``full``).
 
     python scripts/bench/hf_cache_speed.py [--contexts 2048,4096,8192] [--new 64] [--runs 3]
         [--spans 32,64,128,1024] [--layers 4] [--width 256] [--heads 4] [--kv-heads 4]
-        [--threads 1] [--compile]
+        [--threads 1] [--compile] [--model DIR]
 
 The model: a random Llama (vocabulary 256, ``layers`` layers of width ``width``, ``heads``
 query heads, ``kv-heads`` key/value heads, feed-forward 4 x width, fp32), max_span = the longest
@@ -16,7 +16,9 @@ decoded greedily one forward at a time (timed); the setups alternate run after r
 median of ``runs`` runs is reported, with the bytes of keys and values each cache holds at the
 end, and the median over runs of the static cache's decode speed over ``SpanCache``'s (each
 run's pair measured back to back). A compiled step is compiled before the runs (a short
-prompt, untimed). Prints one JSON line per context.
+prompt, untimed). ``--model DIR``: instead of the random Llama, a model saved with its spans
+(``adaspan.hf.save_model``, ``adaspan retrofit``), against itself with sdpa attention (the
+prompt's tokens drawn from its vocabulary). Prints one JSON line per context.
 """
 
 from __future__ import annotations
@@ -31,11 +33,24 @@ import torch
 import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from adaspan.hf import SpanCache, SpanStaticCache, add_spans, cache_argument, kv_bytes, span_modules
+from adaspan.hf import (
+    SpanCache,
+    SpanStaticCache,
+    add_spans,
+    cache_argument,
+    kv_bytes,
+    load_pretrained,
+    span_modules,
+)
 
 
 def build(args: argparse.Namespace, positions: int) -> tuple:
     """The model without spans (sdpa) and a copy with the spans, same weights."""
+    if args.model:
+        span = load_pretrained(args.model).eval()
+        full = copy.deepcopy(span)
+        full.set_attn_implementation("sdpa")  # its spans attached, unread
+        return full, span
     config = LlamaConfig(vocab_size=256, hidden_size=args.width, intermediate_size=4 * args.width,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=positions)
@@ -75,7 +90,9 @@ def decode(model, step, cache, prompt: torch.Tensor, new: int) -> dict:
 
 
 def measure(setups: dict, context: int, args: argparse.Namespace) -> dict:
-    prompt = torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(context))
+    vocabulary = min(256, setups["full"][0].config.vocab_size)
+    prompt = torch.randint(0, vocabulary, (1, context),
+                           generator=torch.Generator().manual_seed(context))
     runs: dict[str, list[dict]] = {name: [] for name in setups}
     for _ in range(args.runs):  # alternated, so that all see the same machine load
         for name, (model, step, cache) in setups.items():
@@ -106,6 +123,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", help="a directory saved with its spans (default: random)")
     parser.add_argument("--compile", action="store_true",
                         help="also the static cache's decode step compiled (inductor)")
     args = parser.parse_args()
@@ -118,7 +136,8 @@ def main() -> None:
         decode(model, step, cache(), torch.zeros(1, 8, dtype=torch.long), 2)
     for context in contexts:
         line = measure(setups, context, args)
-        print(json.dumps({**line, "spans": args.spans, "threads": args.threads,
+        print(json.dumps({**line, "model": args.model or "random", "threads": args.threads,
+                          "spans": None if args.model else args.spans,
                           "torch": torch.__version__, "transformers": transformers.__version__}),
               flush=True)
 

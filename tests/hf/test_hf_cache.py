@@ -16,7 +16,15 @@ from helpers import HF_KINDS, tiny_hf
 from transformers import DynamicCache
 
 from adaspan.errors import UserError
-from adaspan.hf import SpanCache, add_spans, cache_argument, kv_bytes, span_modules, windows
+from adaspan.hf import (
+    SpanCache,
+    add_spans,
+    cache_argument,
+    kv_bytes,
+    save_model,
+    span_modules,
+    windows,
+)
 
 PROMPT = torch.randint(0, 64, (1, 50), generator=torch.Generator().manual_seed(3))
 NEW = 30
@@ -130,3 +138,20 @@ def test_spans_per_key_value_head_keep_their_windows_in_the_cache():
     assert torch.equal(tokens, full_tokens)
     torch.testing.assert_close(logits, full_logits, atol=1e-5, rtol=0)
     assert [tuple(layer.keys.shape) for layer in cache.layers] == [(1, 4 + 16, 8), (1, 19 + 6, 8)]
+
+
+def test_the_speed_script_reads_a_saved_model(tmp_path):
+    """``--model DIR``: the saved model with its spans against itself with sdpa attention."""
+    model = add_spans(tiny_hf("llama", positions=128), max_span=128, ramp=4)
+    for span in span_modules(model):
+        span.set_spans(torch.tensor([6.0, 10.0, 12.0, 20.0]))
+    save_model(model, tmp_path / "model")
+    script = Path(__file__).parents[2] / "scripts" / "bench" / "hf_cache_speed.py"
+    done = subprocess.run([sys.executable, str(script), "--contexts", "60", "--new", "3",
+                           "--runs", "1", "--model", str(tmp_path / "model")],
+                          capture_output=True, text=True, check=True, timeout=300)
+    [line] = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    per_position = 2 * 8 * 4  # a key and a value of 8 fp32 per key/value head
+    assert line["full_kv_bytes"] == 2 * 2 * 63 * per_position  # layers, key/value heads
+    assert line["span_kv_bytes"] == 2 * (9 + 19) * per_position  # windows 10 and 20, less one
+    assert line["model"] == str(tmp_path / "model") and line["spans"] is None
