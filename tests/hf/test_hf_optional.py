@@ -28,3 +28,13 @@ def test_an_older_transformers_is_refused_in_one_line_naming_the_range():
                "try:\n    import adaspan.hf\nexcept UserError as e:\n    print(e)")
     assert done.stdout == ("adaspan.hf needs transformers 5.17 or newer (tested: 5.17 and "
                            "5.24), found 5.10.2: pip install 'transformers>=5.17'\n"), done.stderr
+
+
+def test_no_submodule_hides_a_name_the_package_exports():
+    """A submodule imported under the name of an exported function would replace it."""
+    import types
+
+    import adaspan.hf
+
+    hidden = [n for n in adaspan.hf.__all__ if isinstance(getattr(adaspan.hf, n), types.ModuleType)]
+    assert not hidden

@@ -8,7 +8,7 @@ full attention and its streaming attention (the first ``sinks`` positions and th
 then binarised at a budget: the heads of the greatest alpha keep every position ("retrieval
 heads"), the others sinks + window ("streaming heads"), as many of the first as the budget in
 bytes holds. The attention ``"duo"`` (registered with transformers) computes the mixture for
-training; the binarised model runs as :func:`adaspan.hf.windows.hard_windows` over a
+training; the binarised model runs as :func:`adaspan.hf.streaming.hard_windows` over a
 ``SpanCache`` (cache policy ``duo``). ``adaspan retrofit --method duo`` trains the gates
 with the spans' data, steps and distillation loss.
 """
@@ -35,7 +35,7 @@ from .cache_policies import CachePolicy, register_policy
 from .methods import Method, register_method
 from .span_cache import SpanCache
 from .spans import attention_modules, key_value_heads
-from .windows import hard_windows, whole_option
+from .streaming import hard_windows, whole_option
 
 NAME = "duo"  # the attention implementation and the attribute of each attention module
 GATES_FILE = "duo_gates.json"

@@ -31,7 +31,7 @@ from ..data.files import atomic_write
 from ..errors import UserError
 from ..measure.plots import _pyplot, png_bytes
 from ..runtime.precision import Precision
-from . import duo, snapkv, windows  # noqa: F401 (register the policies duo, snapkv, streaming)
+from . import duo, snapkv, streaming  # noqa: F401 (register the policies duo, snapkv, streaming)
 from .cache_policies import CachePolicy, build_policy
 from .needles import TASKS, Haystack, Sample, found, make
 from .retrofit import _transformers_bars, load_frozen
