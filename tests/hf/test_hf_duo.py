@@ -13,7 +13,7 @@ from adaspan.errors import UserError
 from adaspan.hf import cache_argument, kv_bytes
 from adaspan.hf.cache_policies import build_policy
 from adaspan.hf.duo import add_gates, binarise, clamp_gates, gate_loss, gates, save_gates
-from adaspan.hf.windows import hard_windows, streaming_windows
+from adaspan.hf.streaming import hard_windows, streaming_windows
 
 IDS = torch.randint(0, 64, (2, 50), generator=torch.Generator().manual_seed(7))
 
