@@ -21,12 +21,15 @@ test: install
 	$(BIN)/python -m pytest -n 2 tests
 
 # the Hugging Face tests on the oldest transformers adaspan.hf supports, laid over the
-# environment's own (its dependencies as that version asks)
-HF_OLDEST := transformers==5.17.0
+# environment's own: with the huggingface-hub and tokenizers that version asks (it checks them
+# at import), and the datasets (and its httpx) of that hub for lm-eval
+HF_OLDEST := transformers==4.56.2 "huggingface-hub>=0.34,<1" "tokenizers>=0.22,<=0.23.0" \
+	"datasets<5"
 test-hf-oldest: install
+	rm -rf .hf-oldest
 	$(BIN)/pip install --quiet --disable-pip-version-check --target .hf-oldest --no-deps \
-		$(HF_OLDEST) "huggingface-hub>=1.5,<2"
-	$(BIN)/pip install --quiet --disable-pip-version-check --target .hf-oldest httpx
+		$(HF_OLDEST)
+	$(BIN)/pip install --quiet --disable-pip-version-check --target .hf-oldest "httpx<1"
 	PYTHONPATH=.hf-oldest $(BIN)/python -m pytest -n 2 tests/hf
 
 lint: install

@@ -23,11 +23,11 @@ def test_adaspan_hf_without_transformers_says_how_to_install_it():
 
 
 def test_an_older_transformers_is_refused_in_one_line_naming_the_range():
-    done = run("import transformers; transformers.__version__ = '5.10.2'\n"
+    done = run("import transformers; transformers.__version__ = '4.55.4'\n"
                "from adaspan.errors import UserError\n"
                "try:\n    import adaspan.hf\nexcept UserError as e:\n    print(e)")
-    assert done.stdout == ("adaspan.hf needs transformers 5.17 or newer (tested: 5.17 and "
-                           "5.24), found 5.10.2: pip install 'transformers>=5.17'\n"), done.stderr
+    assert done.stdout == ("adaspan.hf needs transformers 4.56 or newer (tested: 4.56 and "
+                           "5.24), found 4.55.4: pip install 'transformers>=4.56'\n"), done.stderr
 
 
 def test_no_submodule_hides_a_name_the_package_exports():

@@ -29,7 +29,7 @@ def test_a_saved_model_loads_with_its_spans(tmp_path, kind):
     torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, atol=0, rtol=0)
     settings = json.loads((tmp_path / "adaptive_spans.json").read_text())
     assert settings["spans"][0] == pytest.approx([5, 9, 17, 30])
-    out = loaded.generate(IDS, max_new_tokens=4, do_sample=False)
+    out = loaded.generate(IDS, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape == (1, 34)
 
 

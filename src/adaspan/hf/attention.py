@@ -26,6 +26,7 @@ from ..attention.core import span_attention, span_log_mask
 from ..attention.sinks import Sinks
 from ..attention.span import AdaptiveSpan, key_window
 from ..errors import UserError
+from .support import mask_function
 
 NAME = "adaptive_span"  # the attention implementation, and the attribute holding the span
 
@@ -159,8 +160,10 @@ def adaptive_span_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
     """``AttentionMaskInterface`` function: span attention is causal by the keys' distances,
     the queries' own keys last, so no mask is made; a padding mask (a 2D mask with a zero,
     over every position seen) is handed on as it is, each layer taking its last keys' part.
-    A cache whose keys do not end at the queries (transformers' static caches) is refused."""
-    if int(q_offset) + q_length != int(kv_offset) + kv_length:
+    A cache whose keys do not end at the queries (transformers' static caches) is refused
+    by the eager forward that fills it (a compiled step reads no offset: tensors before
+    transformers 5.14)."""
+    if not is_torchdynamo_compiling() and int(q_offset) + q_length != int(kv_offset) + kv_length:
         raise UserError("adaptive_span attention needs the queries' keys last: use a "
                         "DynamicCache, adaspan.hf.SpanCache or adaspan.hf.SpanStaticCache, not "
                         "transformers' static cache")
@@ -172,7 +175,7 @@ def adaptive_span_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
 def register() -> None:
     """Register ``"adaptive_span"`` with transformers' attention and mask interfaces."""
     AttentionInterface.register(NAME, attention_function)
-    AttentionMaskInterface.register(NAME, adaptive_span_mask)
+    AttentionMaskInterface.register(NAME, mask_function(adaptive_span_mask))
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..errors import UserError
 from .cache_policies import CachePolicy, register_policy
 from .retrofit import full_attention
+from .support import mask_function, query_length
 
 NAME = "snapkv"  # the attention implementation and the cache policy
 CAPACITY, WINDOW, KERNEL = 1024, 32, 7  # defaults: the paper's smallest budget, its settings
@@ -154,9 +155,9 @@ class SnapKVLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        held = self.keys.shape[-2] if self.is_initialized else 0
-        return held + query_length, self.cumulative_length - held
+    def get_mask_sizes(self, queries: int | Tensor) -> tuple[int, int]:
+        held = 0 if self.keys is None else self.keys.shape[-2]
+        return held + query_length(queries), self.cumulative_length - held
 
     def crop(self, tokens_to_remove: int) -> None:
         raise UserError("SnapKVCache keeps no positions to roll back to (assisted decoding): "
@@ -234,5 +235,5 @@ def _whole(name: str, value: int | str) -> int:
 
 
 AttentionInterface.register(NAME, snapkv_attention)
-AttentionMaskInterface.register(NAME, snapkv_mask)
+AttentionMaskInterface.register(NAME, mask_function(snapkv_mask))
 register_policy(NAME, SnapKVPolicy)

@@ -20,12 +20,13 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from ..errors import UserError
 from .attention import attached_spans, per_query_head
+from .support import layer_states
 
 
 def cache_argument(model: nn.Module, cache: Cache) -> dict[str, Cache]:
     """``{keyword: cache}`` for ``model``'s forward and ``generate``: the keyword is ``cache``
-    where this transformers names it so (5.2x), ``past_key_values`` where it does not (5.17),
-    which would ignore the other one."""
+    where this transformers names it so (5.24 on), ``past_key_values`` where it does not
+    (before), which would ignore the other one."""
     return {_cache_keyword(type(model)): cache}
 
 
@@ -71,8 +72,9 @@ class SpanLayer(DynamicSlidingWindowLayer):
         self.kept: list[int] = []  # positions kept per key/value head, set by the first update
         self._index_cache: tuple = ()  # (lengths, M, device), then the indices of the last join
 
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor | None = None
+                            ) -> None:
+        super().lazy_initialization(*layer_states(key_states, value_states))
         kv_heads = key_states.shape[1]
         group = len(self.query_windows) // kv_heads
         self.kept = [max(self.query_windows[g * group:(g + 1) * group]) - 1
@@ -83,7 +85,7 @@ class SpanLayer(DynamicSlidingWindowLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
+        if self.keys is None:
             self.lazy_initialization(key_states, value_states)
         if self.padded:
             return super().update(key_states, value_states)

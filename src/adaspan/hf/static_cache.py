@@ -19,12 +19,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, StaticLayer
+from transformers.utils import is_torchdynamo_compiling
 
 from ..errors import UserError
 from .attention import attached_spans
 from .budget import head_dim
 from .span_cache import head_windows
 from .spans import key_value_heads
+from .support import RELATIVE_MASKS, layer_states, query_length
 
 
 class SpanStaticLayer(StaticLayer):
@@ -37,14 +39,19 @@ class SpanStaticLayer(StaticLayer):
     def __init__(self, query_windows: list[int], span: nn.Module) -> None:
         self.window, self.span, self.sinks = max(query_windows), span, getattr(span, "sinks", 0)
         super().__init__(max_cache_len=self.sinks + self.window)
+        self.cumulative_length = torch.tensor(0)  # positions seen (StaticLayer's before 5.4: none)
 
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor | None = None
+                            ) -> None:
+        super().lazy_initialization(*layer_states(key_states, value_states))
         self._slots = torch.arange(self.window, device=self.device)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not is_torchdynamo_compiling():
+            torch._dynamo.mark_static_address(self.cumulative_length)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
+        if self.keys is None:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[-2] == 1:
             return self._step(key_states, value_states)
@@ -85,14 +92,28 @@ class SpanStaticLayer(StaticLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search's reordering of the rows, in place (the buffers keep their storage)."""
-        if self.is_initialized:
+        if self.keys is not None:
             for buffer in (self.keys, self.values):
                 buffer.copy_(buffer.index_select(0, beam_idx.to(buffer.device)))
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """Relative to the first query (:meth:`SpanStaticCache.get_query_offset`): at most the
-        W - 1 positions before it and the queries', the queries' own keys last."""
-        return self.window - 1 + query_length, 1 - self.window
+    def get_seq_length(self) -> Tensor | int:
+        """The positions seen (before 5.4, transformers' StaticLayer counts filled slots)."""
+        return 0 if self.keys is None else self.cumulative_length
+
+    def reset(self) -> None:
+        """Empty for the next sequence: buffers and count zeroed in place (before 5.4,
+        transformers' reset replaces the count by 0)."""
+        if self.keys is not None:
+            self.keys.zero_()
+            self.values.zero_()
+        self.cumulative_length.zero_()
+
+    def get_mask_sizes(self, queries: int | Tensor) -> tuple[int, int]:
+        """At most the W - 1 positions before the first query and the queries', the queries'
+        own keys last: relative to the first query (:meth:`SpanStaticCache.get_query_offset`),
+        or before transformers 5.14, which asks no cache for it, to position 0 (a tensor)."""
+        first = 0 if RELATIVE_MASKS else self.cumulative_length
+        return self.window - 1 + query_length(queries), first + 1 - self.window
 
     def crop(self, tokens_to_remove: int) -> None:
         raise UserError("SpanStaticCache keeps no positions to roll back to (assisted "
