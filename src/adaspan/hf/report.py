@@ -34,10 +34,10 @@ from ..data.files import atomic_write
 from ..measure.tables import span_table
 from ..runtime.precision import Precision
 from .attention import span_modules
+from .budget import full_cache_bytes
 from .retrofit import Retrofit, full_attention
 from .retrofit_data import encode
 from .span_cache import SpanCache, cache_argument, kv_bytes
-from .spans import key_value_heads
 
 REPORT_FILE = "retrofit.json"
 TABLE_FILE = "retrofit.md"
@@ -78,15 +78,6 @@ def perplexities(run: Retrofit, ids: Tensor, n_bytes: int) -> dict[str, dict]:
     change = after["bits_per_byte"] / before["bits_per_byte"] - 1
     return {"full": before, "spans": after, "bits_per_byte_change": change,
             "tokens": full["tokens"], "bytes": n_bytes}
-
-
-def full_cache_bytes(model_config, context: int, element_size: int) -> int:
-    """Bytes of every key and value of ``context`` tokens:
-    layers * 2 * kv_heads * context * d_head * element_size."""
-    heads = model_config.num_attention_heads
-    d_head = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    return (model_config.num_hidden_layers * 2 * key_value_heads(model_config) * context
-            * d_head * element_size)
 
 
 @torch.no_grad()
