@@ -18,6 +18,12 @@ its answer, at lengths drawn from ``--lengths``, with haystacks from the train s
 ``--haystack-bytes``), depths uniform in [0, 1] and seeds from 10**6 on (evaluation seeds start
 at 0); a step holds about ``--tokens-per-step`` tokens (rows = tokens / length), and the
 answer's tokens weigh ``--answer-weight`` in the loss.
+
+With ``--copy P`` a share P of the steps trains on copies instead: windows of ``--copy-length``
+tokens of the train split in which stretches of 8 to 32 tokens (one per 64 tokens) are
+written again further on, at random distances: a copy is predictable only by finding its
+first tokens earlier (what induction heads do, the mechanism of retrieval), not by looking a
+fixed distance back. About ``--tokens-per-step`` tokens a step.
 """
 
 from __future__ import annotations
@@ -67,14 +73,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--lengths", default=None, help="retrieval prompt lengths (default: --context)")
     add("--tokens-per-step", type=int, default=8192, help="tokens of a retrieval step")
     add("--answer-weight", type=float, default=1.0, help="loss weight of an answer's tokens")
+    add("--copy", type=float, default=0.0, help="share of steps on copied stretches")
+    add("--copy-length", type=int, default=256, help="tokens of a copy row")
     add("--haystack-bytes", type=int, default=2_000_000, help="train text the haystacks use")
     add("--init", type=Path, default=None, help="start from this saved model (a new schedule "
         "and optimiser; the options of its shape are read from it)")
     args = parser.parse_args(argv)
     args.tasks = args.tasks.split(",")
     args.lengths = [int(n) for n in (args.lengths or str(args.context)).split(",")]
-    if max(args.lengths) > args.context:
-        parser.error("--lengths must not exceed --context")
+    if max(args.lengths) > args.context or args.copy_length > args.context:
+        parser.error("--lengths and --copy-length must not exceed --context")
+    if args.copy + args.retrieval > 1:
+        parser.error("--copy and --retrieval share the steps: their sum must be at most 1")
     return args
 
 
@@ -94,6 +104,20 @@ def batch(tokens: np.ndarray, rng: np.random.Generator, size: int, context: int)
     starts = rng.integers(0, len(tokens) - context, size)
     rows = np.stack([tokens[s : s + context] for s in starts]).astype(np.int64)
     return torch.from_numpy(rows + OFFSET)
+
+
+def copy_batch(tokens: np.ndarray, rng: np.random.Generator, rows: int, length: int
+               ) -> torch.Tensor:
+    """``rows`` random windows of ``length`` token ids, each with ``length // 64`` stretches of
+    8 to 32 tokens written again at a random later place."""
+    x = batch(tokens, rng, rows, length)
+    for row in x:
+        for _ in range(max(1, length // 64)):
+            n = int(rng.integers(8, 33))
+            source = int(rng.integers(0, length - 2 * n))
+            target = int(rng.integers(source + n, length - n + 1))
+            row[target:target + n] = row[source:source + n].clone()
+    return x
 
 
 @torch.no_grad()
@@ -171,14 +195,16 @@ def train(args: argparse.Namespace) -> dict:
     for step in range(1, args.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step - 1)
-        retrieval = args.retrieval and rng.random() < args.retrieval
+        draw = rng.random() if args.retrieval or args.copy else 1.0
         answer_nll = None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            if retrieval:
+            if draw < args.retrieval:
                 loss, answer_nll = weighted_loss(model,
                                                  *retrieval_batch(args, haystack, rng, step))
             else:
-                x = batch(corpus.train, rng, args.batch_size, args.context)
+                x = (copy_batch(corpus.train, rng, args.tokens_per_step // args.copy_length,
+                                args.copy_length) if draw < args.retrieval + args.copy
+                     else batch(corpus.train, rng, args.batch_size, args.context))
                 loss = model(x, labels=x).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -186,7 +212,9 @@ def train(args: argparse.Namespace) -> dict:
         optimizer.step()
         seconds = time.perf_counter() - start
         if step % args.log_every == 0 or step == 1:
-            print(json.dumps({"step": step, "seconds": round(seconds, 1),
+            kind = ("retrieval" if draw < args.retrieval else
+                    "copy" if draw < args.retrieval + args.copy else "text")
+            print(json.dumps({"step": step, "seconds": round(seconds, 1), "kind": kind,
                               "bpb": round(loss.item() / math.log(2), 4),
                               "answer_nll": answer_nll and round(answer_nll, 3),
                               "lr": optimizer.param_groups[0]["lr"]}), flush=True)

@@ -295,3 +295,24 @@ def test_masked_keys_weigh_nothing(Hq, Hkv, M, T, origin):
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="needs the decode backend"):
         span_attention(q, k, v, z, max_span=S, ramp=R, key_mask=key_mask)
+
+
+@pytest.mark.parametrize("Hq,Hkv,T", [(8, 2, 30), (4, 4, 10), (4, 1, 16)])
+def test_keys_of_a_ring_buffer_decode_as_in_order(Hq, Hkv, T):
+    """The last W = 16 of T positions in a ring (position t in slot t mod W), slots that hold
+    no position yet (T < W) at offset W: the reference's output over all T keys."""
+    (q, k, v, log_mask, _), z = _decode_case(Hq, Hkv, 1, T, False, torch.float32)
+    W, p = log_mask.shape[1], T - 1
+    ring_k, ring_v = (torch.randn(2, Hkv, W, D) for _ in range(2))  # stale slots: noise
+    positions = torch.arange(max(0, T - W), T)
+    for ring, keys in ((ring_k, k), (ring_v, v)):
+        ring[:, :, positions % W] = keys[:, :, positions]
+    offsets = (p - torch.arange(W)) % W
+    offsets = offsets.masked_fill(offsets > p, W)
+    with torch.no_grad():
+        out = span_attention(q, ring_k, ring_v, z, max_span=S, ramp=R, log_mask=log_mask,
+                             key_offsets=offsets)
+    expected = reference_span_attention(q, k, v, z, S, R)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="key_offsets"):
+        span_attention(q, ring_k, ring_v, z, max_span=S, ramp=R, key_offsets=offsets)

@@ -92,6 +92,20 @@ def test_buffers_keep_their_shape_and_storage_while_decoding():
     assert kv_bytes(cache) == 2 * 2 * 2 * (2 + 17 + 2 + 20) * 8 * 4  # rows, k and v, kv heads
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_a_decode_step_writes_its_own_slot_and_nothing_else(sinks):
+    """The window is a ring: position p goes into slot sinks + p mod W; no other key moves."""
+    model = spanned("llama", sinks)
+    cache = SpanStaticCache(model)
+    with torch.no_grad():
+        model(prompt(30), **cache_argument(model, cache))
+        before = [layer.keys.clone() for layer in cache.layers]
+        model(prompt(1), **cache_argument(model, cache))
+    for layer, old in zip(cache.layers, before, strict=True):
+        changed = (layer.keys != old).any(dim=(0, 1, 3)).nonzero().flatten().tolist()
+        assert changed == [sinks + 30 % layer.window]
+
+
 def test_beam_search_reorders_the_buffers_in_place():
     model = spanned("qwen2", sinks=2)
     options = dict(max_new_tokens=NEW, min_new_tokens=NEW, num_beams=3, do_sample=False)

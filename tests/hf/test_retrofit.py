@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import LLAMA_CONTEXT as CONTEXT
@@ -149,6 +150,21 @@ def test_train_hf_model_script(tmp_path):
         b + script.OFFSET for b in "hé".encode()]
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_key_value_heads == 2 and model.config.max_position_embeddings == 32
+
+
+def test_train_hf_model_copies_stretches_at_random_distances():
+    """Each copy row repeats stretches of 8 to 32 tokens of itself further on."""
+    script = load_script("train_hf_model")
+    tokens = np.random.default_rng(0).integers(0, 256, 10_000).astype(np.uint8)
+    rows = script.copy_batch(tokens, np.random.default_rng(1), 16, 128)
+    assert rows.shape == (16, 128)
+    distances = set()
+    for row in rows.tolist():
+        found = [(a, b) for a in range(120) for b in range(a + 8, 121)
+                 if row[a:a + 8] == row[b:b + 8]]
+        assert found  # random bytes repeat 8 in a row only where copied
+        distances |= {b - a for a, b in found}
+    assert len(distances) > 8  # not one fixed distance back
 
 
 def test_retrofit_experiment_script(model_dir, tmp_path, capsys):

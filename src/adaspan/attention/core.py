@@ -150,7 +150,8 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
                    bounds: Bounds | None = None, layout: HeadLayout | None = None,
                    memory: tuple[Tensor, Tensor] | None = None, log_mask: Tensor | None = None,
                    key_mask: Tensor | None = None, sinks: Sinks | None = None,
-                   backend: str = "auto", z_min: float | None = None,
+                   key_offsets: Tensor | None = None, backend: str = "auto",
+                   z_min: float | None = None,
                    z_host: list[float] | Callable[[], list[float]] | None = None) -> Tensor:
     """Eqs. 1-3 of the M newest positions over the keys ``origin`` .. ``origin + S - 1``
     positions behind each. Returns (B, Hq, M, d) in the dtype of q.
@@ -177,17 +178,23 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
     weights). ``backend``: one of :data:`BACKENDS`; a fused kernel that cannot run these heads
     falls back to band. ``sinks``: the keys and values of the sequence's first positions, which
     weigh 1 for every query they precede (:mod:`adaspan.attention.sinks`; no table, no memory
-    keys, no key mask; band or decode).
+    keys, no key mask; band or decode). ``key_offsets``: (T,) each key's offset behind the
+    query, for keys not in order (a ring buffer's; ``key_mask`` then in the keys' order),
+    weight 0 outside 0 .. W - 1: the decode backend, one query, origin 0, no table.
     """
     kv = k if isinstance(k, KeysValues) else KeysValues(k, v)
     B, Hq, M, d = q.shape
     T, Hkv = _check(q, kv, pos, max_span, origin)
     _check_sinks(sinks, pos, memory, key_mask)
+    _check_offsets(key_offsets, log_mask, M, T, origin, pos)
     scale = d**-0.5 if scale is None else scale
     choice = choose_backend(q, backend, memory, log_mask, training and dropout > 0, key_mask,
                             sinks is not None)
+    if key_offsets is not None and choice != "decode":
+        raise ValueError(f"key_offsets take the decode backend, not {choice}")
     if choice == "decode":
-        return _decode(q, *kv.pair(), log_mask, origin, pos, scale, key_mask, sinks)
+        return _decode(q, *kv.pair(), log_mask, origin, pos, scale, key_mask, sinks,
+                       key_offsets)
     if scale != d**-0.5:  # the band and fused kernels scale by d ** -0.5
         q = q * (scale * d**0.5)
     z = z() if callable(z) else z
@@ -352,17 +359,21 @@ def span_log_mask(z: Tensor | Sequence[float], window: int, ramp: float,
 
 def _decode(q: Tensor, k: Tensor, v: Tensor, log_mask: Tensor, origin: int,
             pos: Tensor | None, scale: float, key_mask: Tensor | None = None,
-            sinks: Sinks | None = None) -> Tensor:
+            sinks: Sinks | None = None, key_offsets: Tensor | None = None) -> Tensor:
     """The decode backend: every head at once over the keys the longest window W sees,
     log m_z(o) (``log_mask`` (Hq, W)) plus the scores in one product, a softmax (float32),
     times v; grouped-query heads read their key head without copying it (q as
-    (B Hkv, G M, d)). ``sinks`` join the keys in front, weighed log(1 - b)."""
+    (B Hkv, G M, d)). ``sinks`` join the keys in front, weighed log(1 - b); ``key_offsets``
+    replace the keys' offsets W - 1 .. 0."""
     B, Hq, M, d = q.shape
     Hkv, T, W = k.shape[1], k.shape[2], log_mask.shape[1]
     n = min(T, W + M - 1 + origin)  # the keys some query sees
-    o = None if M == 1 and pos is None and origin == 0 else (
-        n - M + torch.arange(M, device=q.device)[:, None]
-        - torch.arange(n, device=q.device))  # (M, n) offsets
+    if key_offsets is not None:  # (1, n): a ring buffer's
+        o = key_offsets[None]
+    elif M == 1 and pos is None and origin == 0:
+        o = None
+    else:  # (M, n) offsets
+        o = n - M + torch.arange(M, device=q.device)[:, None] - torch.arange(n, device=q.device)
     mask = _offset_mask(log_mask, o, n, origin).to(q.dtype).expand(B, Hq, M, n)
     if pos is not None:  # q . p of each pair's own table row, scaled
         p = pos[:W].to(q.dtype)[(o - origin).clamp(0, W - 1)]  # (M, n, d)
@@ -434,6 +445,18 @@ def _check_sinks(sinks: Sinks | None, pos: Tensor | None, memory: object,
     """Sinks go with positions in q and k (no table), without memory keys or a key mask."""
     if sinks is not None and (pos is not None or memory is not None or key_mask is not None):
         raise ValueError("sinks take no table of positions, memory keys or key mask")
+
+
+def _check_offsets(key_offsets: Tensor | None, log_mask: Tensor | None, M: int, T: int,
+                   origin: int, pos: Tensor | None) -> None:
+    """``key_offsets`` go with a log-mask of W >= T columns, one query over T keys, origin 0,
+    no table."""
+    if key_offsets is None:
+        return
+    if (log_mask is None or M != 1 or origin or pos is not None
+            or tuple(key_offsets.shape) != (T,) or log_mask.shape[1] < T):
+        raise ValueError("key_offsets (T,) take the decode backend's log_mask (W >= T "
+                         "columns), one query, origin 0 and no table")
 
 
 def _per_head(z: Tensor, B: int, H: int, M: int) -> Tensor:

@@ -12,7 +12,6 @@ per row: a padded batch (an attention mask with a zero) is refused, as is a prep
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -65,15 +64,16 @@ def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if span is None:
         raise UserError(f"{type(module).__name__} has no span: attach them with "
                         "adaspan.hf.add_spans(model) (or load with adaspan.hf.load_pretrained)")
-    key_mask = _key_mask(attention_mask, key.shape[2])
+    log_mask = None if torch.is_grad_enabled() else decode_mask(span, query)
+    key_offsets = _ring(span, log_mask)
+    key_mask = _key_mask(attention_mask, key.shape[2], key_offsets)
     key, value, sinks = _sinks(span, key, value, query.shape[2], key_mask, kwargs)
     heads = query.shape[1]
-    log_mask = _filled(span, None if torch.is_grad_enabled() else decode_mask(span, query))
     out = span_attention(query, key, value, lambda: per_query_head(span(query), heads),
                          max_span=span.max_span, ramp=span.ramp, scale=scaling, dropout=dropout,
                          training=module.training,
                          z_host=lambda: per_query_head(span.host_z(), heads), log_mask=log_mask,
-                         key_mask=key_mask, sinks=sinks)
+                         key_mask=key_mask, sinks=sinks, key_offsets=key_offsets)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -100,24 +100,23 @@ def _sinks(span: AdaptiveSpan, key: Tensor, value: Tensor, queries: int,
     return key, value, Sinks(key[:, :, :n], value[:, :, :n], first)
 
 
-def _filled(span: AdaptiveSpan, log_mask: Tensor | None) -> Tensor | None:
-    """``log_mask`` with -inf (weight 0) at the slots of the window that hold no position, where
-    a ``SpanStaticCache`` step handed which do (``span.filled``); such a step takes no
-    gradients."""
-    filled = span.__dict__.pop("filled", None)
-    if filled is None:
-        return log_mask
-    if log_mask is None:
+def _ring(span: AdaptiveSpan, log_mask: Tensor | None) -> Tensor | None:
+    """The offsets of the keys a ``SpanStaticCache`` step handed in its ring's order
+    (``span.key_offsets``), else None; such a step takes no gradients."""
+    offsets = span.__dict__.pop("key_offsets", None)
+    if offsets is not None and log_mask is None:
         raise UserError("adaspan.hf.SpanStaticCache decodes without gradients: train with "
                         "adaspan.hf.SpanCache or no cache")
-    return log_mask.masked_fill(~filled[-log_mask.shape[1]:], -math.inf)
+    return offsets
 
 
-def _key_mask(attention_mask: Tensor | None, keys: int) -> Tensor | None:
+def _key_mask(attention_mask: Tensor | None, keys: int, offsets: Tensor | None = None
+              ) -> Tensor | None:
     """Which of the last ``keys`` positions are tokens, from the padding mask (B, positions
     seen) that :func:`adaptive_span_mask` hands on (slots before the first position, a static
-    cache's, are not); None without padding. A prepared 4D mask, and padding with gradients
-    (training takes unpadded windows), are refused."""
+    cache's, are not), in the order of a ring's ``offsets`` where given; None without
+    padding. A prepared 4D mask, and padding with gradients (training takes unpadded
+    windows), are refused."""
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2:
@@ -127,7 +126,8 @@ def _key_mask(attention_mask: Tensor | None, keys: int) -> Tensor | None:
         raise UserError("adaptive_span attention masks padding without gradients only "
                         "(generation, evaluation): train on unpadded windows")
     empty = max(0, keys - attention_mask.shape[1])  # a static cache's slots before the first
-    return torch.nn.functional.pad(attention_mask, (empty, 0))[:, -keys:]
+    mask = torch.nn.functional.pad(attention_mask, (empty, 0))[:, -keys:]
+    return mask if offsets is None else mask[:, -1 - offsets.clamp(max=keys - 1)]
 
 
 def per_query_head(z: Tensor | list[float], heads: int) -> Tensor | list[float]:

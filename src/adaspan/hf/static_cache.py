@@ -4,14 +4,13 @@ over buffers allocated once.
 Each layer of :class:`SpanStaticCache` holds, for every key/value head, the layer's longest
 window W (a head of a shorter window sees keys beyond it, which its mask m_z weighs 0) and,
 where the spans have sinks, the sequence's first k positions: keys and values (B, Hkv, k + W, d),
-the sinks first, then the window oldest first, in the order the span attention core reads
-them. A decode step (one token at position p) shifts the window by one in place, its own key
-and value last (and into its sink slot while p < k), and hands the attention the buffers
-themselves. The slots before the sequence's first position hold no key: the step tells the
-attention which slots hold one (``span.filled``), and the attention weighs the others 0. Every
-count is a tensor, so that a compiled step reads nothing from the device and does not
-recompile from token to token. A prefill (several tokens) hands the positions held and its
-own, of any length, as ``SpanCache`` does.
+the sinks first, then the window as a ring: position q in slot k + q mod W. A decode step (one
+token at position p) writes its key and value into its slot (and into its sink slot while
+p < k), nothing else moves, and hands the attention the buffers themselves with each slot's
+offset behind p (``span.key_offsets``; W, weight 0, for a slot that holds no position yet).
+Every count is a tensor, so that a compiled step reads nothing from the device and does not
+recompile from token to token. A prefill (several tokens) hands the positions held in order
+and its own, of any length, as ``SpanCache`` does.
 """
 
 from __future__ import annotations
@@ -58,31 +57,35 @@ class SpanStaticLayer(StaticLayer):
         return self._prefill(key_states, value_states)
 
     def _step(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
-        """One token at position p (a tensor): the window shifted in place, the buffers handed."""
+        """One token at position p (a tensor): its key and value into slot k + p mod W, the
+        buffers handed with each slot's offset."""
         p, k, W = self.cumulative_length.clone(), self.sinks, self.window
+        slot = (k + p % W).view(1)
         pairs = ((self.keys, key_states), (self.values, value_states))
         for buffer, new in pairs:
-            buffer[:, :, k:].copy_(torch.cat([buffer[:, :, k + 1:], new], dim=2))
+            buffer.index_copy_(2, slot, new)
         if k:  # while p < k, its sink slot too (past the sinks, its own slot again)
-            sink = torch.where(p < k, p, k + W - 1).view(1)
+            sink = torch.where(p < k, p.view(1), slot)
             for buffer, new in pairs:
                 buffer.index_copy_(2, sink, new)
             self.span.handed = (k, p)
         self.cumulative_length.add_(1)
-        self.span.filled = self._slots >= W - 1 - p
+        offsets = (p - self._slots) % W
+        self.span.key_offsets = offsets.masked_fill(offsets > p, W)
         return self.keys, self.values
 
     def _prefill(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
         """M tokens after ``seen`` (read from the device): the sinks, the last W - 1 positions
-        held and the M new ones handed; the last W of them kept, the new sinks in their
-        slots."""
+        held (in order) and the M new ones handed; the last W of them kept in their slots,
+        the new sinks in theirs."""
         seen, M, k, W = int(self.cumulative_length), key_states.shape[-2], self.sinks, self.window
-        held, sinks = min(seen, W - 1), min(k, seen + M)
-        kept = min(W, held + M)
+        held, sinks, new_kept = min(seen, W - 1), min(k, seen + M), min(W, M)
+        order = k + torch.arange(seen - held, seen, device=self.device) % W
+        slots = k + torch.arange(seen + M - new_kept, seen + M, device=self.device) % W
         handed = []
         for buffer, new in ((self.keys, key_states), (self.values, value_states)):
-            window = torch.cat([buffer[:, :, k + W - held:], new], dim=2)
-            buffer[:, :, k + W - kept:] = window[:, :, -kept:]
+            window = torch.cat([buffer.index_select(2, order), new], dim=2)
+            buffer.index_copy_(2, slots, new[:, :, M - new_kept:])
             buffer[:, :, seen:sinks] = new[:, :, :max(0, sinks - seen)]
             handed.append(torch.cat([buffer[:, :, :k], window], dim=2))
         self.cumulative_length.add_(M)
