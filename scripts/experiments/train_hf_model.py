@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--answer-weight", type=float, default=1.0, help="loss weight of an answer's tokens")
     add("--copy", type=float, default=0.0, help="share of steps on copied stretches")
     add("--copy-length", type=int, default=256, help="tokens of a copy row")
+    add("--copy-random", action="store_true", help="copy rows of random printable bytes "
+        "(only the copies predictable), not of the train split")
     add("--haystack-bytes", type=int, default=2_000_000, help="train text the haystacks use")
     add("--init", type=Path, default=None, help="start from this saved model (a new schedule "
         "and optimiser; the options of its shape are read from it)")
@@ -202,7 +204,9 @@ def train(args: argparse.Namespace) -> dict:
                 loss, answer_nll = weighted_loss(model,
                                                  *retrieval_batch(args, haystack, rng, step))
             else:
-                x = (copy_batch(corpus.train, rng, args.tokens_per_step // args.copy_length,
+                source = (rng.integers(32, 127, 1 << 16).astype(np.uint8) if args.copy_random
+                          else corpus.train)
+                x = (copy_batch(source, rng, args.tokens_per_step // args.copy_length,
                                 args.copy_length) if draw < args.retrieval + args.copy
                      else batch(corpus.train, rng, args.batch_size, args.context))
                 loss = model(x, labels=x).loss
