@@ -1,10 +1,15 @@
 """adaspan longeval: a tiny random Llama (byte tokenizer) scored end to end, through the
-command line, with the full cache and the span cache."""
+command line, with the full cache and the span cache; adaspan report of its outputs, one and
+side by side."""
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import math
+import re
+import statistics
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -172,3 +177,136 @@ def test_scores_of_right_wrong_and_partial_answers(plain_dir, monkeypatch):
         task: float(task != "multi_value") for task in TASKS}
     assert summary["mean"]["600"] == {"accuracy": 0.8, "kv_bytes": 7}
     assert math.isclose(sum(r["correct"] for r in records), 4 * 2 * 2)
+
+
+# --------------------------------------------------------------------------- adaspan report
+
+REPORT_GRID = ["--tasks", "passkey,multi_value", "--lengths", "600,900", "--depths", "0,0.5,1",
+               "--samples", "2", "--no-progress", "--json"]
+REPORT_TASKS = ["passkey", "multi_value"]
+
+
+@pytest.fixture(scope="module")
+def outputs(spans_dir, tmp_path_factory) -> dict[str, Path]:
+    """longeval --out of the model with spans, with the full cache and the span cache. The
+    model answers (and its cache holds its bytes), but the answer is then replaced by the right
+    one for some prompts, so that the accuracies differ by task, length, depth and policy."""
+    root, respond = tmp_path_factory.mktemp("longeval"), le.respond
+    tokenizer = ByT5Tokenizer(extra_ids=0)
+
+    def partly_right(model, sample, policy, pad):
+        new, held = respond(model, sample, policy, pad)
+        right = ((sample.seed == 0 and (policy.name == "full" or sample.length == 600))
+                 or (sample.task == "passkey" and sample.depth == 0))
+        answer = " " + ", ".join(sample.answers)
+        return (tokenizer(answer, add_special_tokens=False)["input_ids"] if right else new), held
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(le, "respond", partly_right)
+        for cache in ("full", "spans"):
+            assert main(["longeval", str(spans_dir), "--haystack", "kjv", *REPORT_GRID,
+                         "--cache", cache, "--out", str(root / cache)]) == 0
+    return {cache: root / cache for cache in ("full", "spans")}
+
+
+def _report(capsys, *argv: str) -> tuple[str, Path]:
+    """The page ``adaspan report ARGV`` writes, and its path (from what the command prints)."""
+    assert main(["report", *argv]) == 0
+    path = Path(capsys.readouterr().out.strip().removeprefix("wrote "))
+    return path.read_text(), path
+
+
+def _images(page: str) -> list[bytes]:
+    return [base64.b64decode(m) for m in re.findall(r"src='data:image/png;base64,([^']+)'", page)]
+
+
+def _cells(page: str) -> list[list[str]]:
+    """The cells (th or td) of every row of the page's tables."""
+    return [[html.unescape(c) for c in re.findall(r"<t[hd]>(.*?)</t[hd]>", row)]
+            for row in re.findall(r"<tr>(.*?)</tr>", page)]
+
+
+def _rows(page: str) -> dict[str, list[str]]:
+    """The rows of the page's tables by their first cell: the other cells (the first row of a
+    key)."""
+    rows = {}
+    for cells in _cells(page):
+        rows.setdefault(cells[0], cells[1:])
+    return rows
+
+
+def test_report_of_one_output(outputs, capsys):
+    page, path = _report(capsys, str(outputs["spans"]))
+    results = json.loads((outputs["spans"] / "longeval.json").read_text())
+    assert path == outputs["spans"] / "report.html"
+    # the heatmaps longeval drew, embedded: the same figures
+    assert _images(page) == [(outputs["spans"] / f"longeval_{t}.png").read_bytes()
+                             for t in REPORT_TASKS]
+    facts = _rows(page)
+    assert facts[""] == ["spans"] and facts["cache policy"] == ["spans"]
+    assert facts["model"] == [str(results["model"])] and facts["haystack"] == ["kjv"]
+    assert facts["tasks"] == ["passkey, multi_value"] and facts["depths"] == ["0, 0.5, 1"]
+    assert facts["context lengths (tokens)"] == ["600, 900"]
+    assert facts["prompts per cell"] == ["2 (seed 0)"]
+    assert facts["kv bytes after the prompt, by length"] == ["; ".join(
+        f"{n}: {results['mean'][n]['kv_bytes']:,}" for n in ("600", "900"))]
+    rows = {(cells[0], cells[1]): cells[2:] for cells in _cells(page)
+            if cells[0] in REPORT_TASKS and len(cells) == 7}  # by task, length and depth
+    for task in REPORT_TASKS:
+        for length in ("600", "900"):
+            cell = results["results"][task][length]
+            assert rows[task, length] == [f"{cell['accuracy'][d]:.2f}" for d in ("0", "0.5", "1")
+                                          ] + [f"{cell['mean']:.2f}", f"{cell['kv_bytes']:,}"]
+    assert len({cells[0] for cells in rows.values()}) > 1  # not all alike: real values
+
+
+def test_report_of_two_outputs_side_by_side(outputs, tmp_path, capsys):
+    page, path = _report(capsys, str(outputs["full"]), str(outputs["spans"]),
+                         "--out", str(tmp_path / "both"))
+    assert path == tmp_path / "both" / "report.html"
+    results = {c: json.loads((outputs[c] / "longeval.json").read_text()) for c in outputs}
+    assert re.findall(r"<h3>(.*?)</h3>", page) == ["full", "spans"]  # a heatmap row each
+    assert _images(page) == [(outputs[c] / f"longeval_{t}.png").read_bytes()
+                             for c in ("full", "spans") for t in REPORT_TASKS]
+    table = _rows(page.partition("<section id='accuracy'>")[2])
+    assert table["task"] == ["full", "spans"]
+    for task in REPORT_TASKS:  # the mean over lengths and depths
+        assert table[task] == [
+            f"{statistics.fmean(cell['mean'] for cell in r['results'][task].values()):.2f}"
+            for r in results.values()]
+    assert table["mean over tasks"] == [
+        f"{statistics.fmean(v['accuracy'] for v in r['mean'].values()):.2f}"
+        for r in results.values()]
+    assert table["mean over tasks"][0] != table["mean over tasks"][1]
+    for n in ("600", "900"):
+        held = [r["mean"][n]["kv_bytes"] for r in results.values()]
+        assert table[f"kv bytes after the prompt, length {int(n):,}"] == [f"{b:,}" for b in held]
+        assert held[1] < held[0]  # the span cache holds less
+
+
+REFUSED = {
+    "empty": "is neither a training run (no config.json) nor an adaspan longeval output "
+             "(no longeval.json)",
+    "missing": "no directory",
+    "output and empty": "is not an adaspan longeval output (no longeval.json): several",
+    "two outputs": "the report of several longeval outputs needs an output directory "
+                   "(--out DIR)",
+    "broken": "cannot read",
+    "not longeval's": "is not an adaspan longeval output: it has no 'haystack'",
+}
+
+
+@pytest.mark.parametrize("what", REFUSED)
+def test_report_refuses_what_is_neither_a_run_nor_an_output(outputs, tmp_path, capsys, what):
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "longeval.json").write_text("{")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "longeval.json").write_text('{"model": "m"}')
+    argv = {"empty": [tmp_path], "missing": [tmp_path / "none"],
+            "output and empty": [outputs["full"], tmp_path, "--out", tmp_path / "out"],
+            "two outputs": [outputs["full"], outputs["spans"]],
+            "broken": [tmp_path / "broken"], "not longeval's": [tmp_path / "other"]}[what]
+    assert main(["report", *map(str, argv)]) == 2
+    err = capsys.readouterr().err
+    assert REFUSED[what] in err and err.count("\n") == 1, err
+    assert not (tmp_path / "report.html").exists()

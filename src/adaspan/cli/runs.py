@@ -17,7 +17,12 @@ from ..data.corpora import source_distance
 from ..data.synthetic import is_synthetic
 from ..measure.generate import stream
 from ..measure.plots import plot_curves, plot_spans
-from ..measure.report import run_events, write_report
+from ..measure.report import (
+    is_longeval_report,
+    run_events,
+    write_longeval_report,
+    write_report,
+)
 from ..measure.tables import evaluation_text, record_line, span_table, trajectory_table
 from ..model.analysis import head_span_history, span_summary, span_trajectories
 from ..run.checkpoint import RunDir, load_model
@@ -187,25 +192,40 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 def add_report(commands) -> None:
-    p = command(commands, "report", _report, run_dir=True)
-    p.add_argument("--out", type=Path, metavar="DIR", help="output directory [RUN_DIR/report]")
-    p.add_argument("--text", help="text of the Figure 5 panel (dynamic spans) [a piece of the "
-                   "run's valid split]")
+    p = command(commands, "report", _report)
+    p.add_argument("dirs", type=Path, nargs="+", metavar="DIR",
+                   help="a training run directory, or one or more directories of adaspan "
+                   "longeval --out (longeval.json): their cache policies side by side")
+    p.add_argument("--out", type=Path, metavar="DIR",
+                   help="output directory [a run: RUN_DIR/report; one longeval output: its "
+                   "directory; several: required]")
+    p.add_argument("--text", help="a run: text of the Figure 5 panel (dynamic spans) [a piece "
+                   "of the run's valid split]")
     p.add_argument("--limits", type=positive_ints, default="256,512,1024,2048,4096,8192",
-                   help="span limits S of the Figure 3 panel [default: %(default)s]")
+                   help="a run: span limits S of the Figure 3 panel [default: %(default)s]")
     p.add_argument("--no-memory", action="store_true",
-                   help="skip the memory probe (one training step per limit and curve)")
-    p.add_argument("--device", default="cpu", help="where the model and memory probe run")
+                   help="a run: skip the memory probe (one training step per limit and curve)")
+    p.add_argument("--device", default="cpu",
+                   help="a run: where the model and memory probe run")
 
 
 def _report(args: argparse.Namespace) -> int:
-    """One HTML page with a run's curves, spans and the paper's figures.
+    """One HTML page with a run's curves, spans and the paper's figures, or with long-context
+    evaluations side by side.
 
-    Write OUT/report.html, a self-contained page (figures embedded): the configuration, bpc
-    curves, spans during training, the final spans (paper Figure 4), FLOPs and memory against
-    the span limit (Figure 3) and, for dynamic spans, the span along a text (Figure 5); and
-    OUT/report.json, the numbers behind the figures."""
-    page = write_report(args.run_dir, args.out, args.text, args.limits, not args.no_memory,
-                        args.device)
+    For a run directory, write OUT/report.html, a self-contained page (figures embedded): the
+    configuration, bpc curves, spans during training, the final spans (paper Figure 4), FLOPs
+    and memory against the span limit (Figure 3) and, for dynamic spans, the span along a text
+    (Figure 5); and OUT/report.json, the numbers behind the figures.
+
+    For directories written by adaspan longeval --out (they hold longeval.json), write
+    OUT/report.html: what was evaluated (model, cache policy and its options, haystack, tasks,
+    lengths, depths, samples, the bytes held), the accuracy per task and policy, and a heatmap
+    per task, a row per policy (see docs/longeval.md)."""
+    if is_longeval_report(args.dirs):
+        page = write_longeval_report(args.dirs, args.out)
+    else:
+        page = write_report(args.dirs[0], args.out, args.text, args.limits,
+                            not args.no_memory, args.device)
     print(f"wrote {page}")
     return 0

@@ -29,7 +29,9 @@ from .._version import __version__
 from ..data.corpora import SPLITS, load_corpus
 from ..data.files import atomic_write
 from ..errors import UserError
-from ..measure.plots import _pyplot, png_bytes
+from ..measure.plots import heatmap_figure, png_bytes
+from ..measure.report import LONGEVAL_FILE
+from ..measure.tables import longeval_cells, longeval_length_cells, markdown_table
 from ..runtime.precision import Precision
 from . import duo, snapkv, streaming  # noqa: F401 (register the policies duo, snapkv, streaming)
 from .cache_policies import CachePolicy, build_policy
@@ -38,7 +40,7 @@ from .retrofit import _transformers_bars, load_frozen
 from .span_cache import cache_argument, kv_bytes
 from .spans import SETTINGS_FILE, load_spans
 
-REPORT_FILE = "longeval.json"
+REPORT_FILE = LONGEVAL_FILE  # longeval.json, which adaspan report reads
 TABLE_FILE = "longeval.md"
 
 
@@ -174,45 +176,14 @@ def longeval(model_dir: Path, haystack: str, grid: Grid, cache: str, precision: 
 
 def markdown(results: dict) -> str:
     """The results as text: accuracy per task, length and depth, with the bytes held."""
-    depths = [f"{d:g}" for d in results["depths"]]
     lines = [f"# Long-context retrieval of {results['model']} (cache: {results['cache']})", "",
-             "| task | length | " + " | ".join(f"depth {d}" for d in depths)
-             + " | mean | kv bytes after the prompt |",
-             "|---|---:|" + "---:|" * (len(depths) + 2)]
-    for task, cells in results["results"].items():
-        for length, cell in cells.items():
-            row = [task, f"{int(length):,}", *(f"{cell['accuracy'][d]:.2f}" for d in depths),
-                   f"{cell['mean']:.2f}", f"{cell['kv_bytes']:,}"]
-            lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "| length | accuracy (mean over tasks) | kv bytes after the prompt |",
-              "|---:|---:|---:|"]
-    lines += [f"| {int(n):,} | {v['accuracy']:.2f} | {v['kv_bytes']:,} |"
-              for n, v in results["mean"].items()]
+             *markdown_table(longeval_cells(results)), "",
+             *markdown_table(longeval_length_cells(results), left=0)]
     precision = results["precision"]
     lines += ["", f"Prompts per cell: {results['samples']} (seed {results['seed']}); haystack: "
               f"{results['haystack']}; greedy decoding, {precision['dtype']} on "
               f"{precision['device']}."]
     return "\n".join(lines) + "\n"
-
-
-def heatmap(results: dict, task: str) -> bytes:
-    """PNG of ``task``'s accuracy by context length (columns) and depth (rows)."""
-    plt = _pyplot()
-    lengths, depths = results["lengths"], [f"{d:g}" for d in results["depths"]]
-    cells = [[results["results"][task][str(n)]["accuracy"][d] for n in lengths]
-             for d in depths]
-    fig, ax = plt.subplots(figsize=(2.5 + 1.1 * len(lengths), 1.8 + 0.45 * len(depths)))
-    image = ax.imshow(cells, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    for (row, column), value in zip(itertools.product(range(len(depths)), range(len(lengths))),
-                                    itertools.chain(*cells), strict=True):
-        ax.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize=9)
-    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
-    ax.set_yticks(range(len(depths)), depths)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("depth of the needle")
-    ax.set_title(f"{task}: accuracy (cache {results['cache']})")
-    fig.colorbar(image, ax=ax, label="accuracy")
-    return png_bytes(fig)
 
 
 def write(out: Path, results: dict, plots: bool = True) -> list[Path]:
@@ -222,7 +193,7 @@ def write(out: Path, results: dict, plots: bool = True) -> list[Path]:
     files = {out / REPORT_FILE: (json.dumps(results, indent=1) + "\n").encode(),
              out / TABLE_FILE: markdown(results).encode()}
     if plots:
-        files |= {out / f"longeval_{task}.png": heatmap(results, task)
+        files |= {out / f"longeval_{task}.png": png_bytes(heatmap_figure(results, task))
                   for task in results["tasks"]}
     atomic_write({path: functools.partial(Path.write_bytes, data=content)
                   for path, content in files.items()})

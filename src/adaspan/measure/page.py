@@ -1,8 +1,10 @@
-"""The HTML pages of ``adaspan report`` and ``adaspan compare``, rendered from their numbers.
+"""The HTML pages of ``adaspan report`` (of a run, or of ``adaspan longeval`` outputs side by
+side) and ``adaspan compare``, rendered from their numbers.
 
 A page is sections of figures and tables. Figures are PNG images embedded as base64, so a page
-needs no network and no other file. The numbers come from :mod:`adaspan.measure.report` and
-:mod:`adaspan.experiments.compare`: nothing here builds a model or measures anything.
+needs no network and no other file. The numbers come from :mod:`adaspan.measure.report`,
+:mod:`adaspan.experiments.compare` and ``longeval.json`` (:mod:`adaspan.hf.longeval`): nothing
+here builds a model or measures anything.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ..config import ModelConfig
 from ..data.tokenizer import TOKENIZERS
 from ..model.analysis import span_summary
 from . import plots
-from .tables import span_table
+from .tables import longeval_cells, longeval_comparison, longeval_length_cells, span_table
 
 # A column of a table of rows: row key, header and cell format.
 Column = tuple[str, str, Callable[[object], str]]
@@ -32,6 +34,8 @@ table.numbers td { text-align: right; }
 div.config { display: flex; gap: 3em; flex-wrap: wrap; }
 figure { margin: 0; } img { max-width: 100%; height: auto; }
 figcaption { font-size: 0.85em; color: #444; margin: 0.4em 0 1em; }
+div.heatmaps { display: flex; gap: 1em; overflow-x: auto; } div.heatmaps img { max-width: none; }
+details { margin: 0.5em 0; }
 """
 
 
@@ -63,6 +67,16 @@ def _table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
                     for row in rows)
     head_cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
     return f"<table class='numbers'><tr>{head_cells}</tr>{cells}</table>"
+
+
+def _facts_table(head: Sequence[str], rows: Mapping[str, Sequence[str]]) -> str:
+    """A table of ``head`` over its columns, then a row per key of ``rows``, the key its first
+    (header) cell; every cell escaped."""
+    head_cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join(f"<tr><th>{html.escape(key)}</th>"
+                   + "".join(f"<td>{html.escape(cell)}</td>" for cell in cells) + "</tr>"
+                   for key, cells in rows.items())
+    return f"<table class='facts'><tr>{head_cells}</tr>{body}</table>"
 
 
 def _dict_table(values: dict) -> str:
@@ -269,3 +283,86 @@ def _spans_side_by_side(spans: Mapping[str, list[list[float]]], max_span: int) -
         cells.append(f"<figure>{_image(png, f'spans of {method}')}</figure>")
     return ("<section id='fig-compare-spans'><h2>Final spans (Figure 4)</h2>"
             f"<div class='config'>{''.join(cells)}</div></section>")
+
+
+# ---------------------------------------------------------------------------------- longeval
+
+ACCURACY_CAPTION = ("A prompt is right when every expected value is a word of its greedy "
+                    "answer. The table: each task's accuracy, the mean over its context "
+                    "lengths and depths, and the bytes of keys and values the cache holds "
+                    "right after the prompt (the mean over the prompts of a length).")
+
+HEATMAP_CAPTION = ("Each task's accuracy by context length (columns) and depth of the needle "
+                   "(rows, 0: the start of the haystack, 1: its end), 0 red to 1 green; a cell "
+                   "is the mean over its prompts. A row per cache policy.")
+
+
+def longeval_page(evaluations: Sequence[dict]) -> str:
+    """The page of ``adaspan longeval`` outputs side by side, each its ``longeval.json``
+    (:mod:`adaspan.hf.longeval`) and the ``directory`` it was read from: what was evaluated,
+    the accuracy, and a heatmap per task, a row per output."""
+    named = dict(zip(_labels(evaluations), evaluations, strict=True))
+    models = dict.fromkeys(Path(results["model"]).name for results in evaluations)
+    body = _evaluated_section(named) + _accuracy_section(named) + _heatmap_section(named)
+    return _page(f"adaspan report: long-context retrieval of {', '.join(models)}", body)
+
+
+def _labels(evaluations: Sequence[dict]) -> list[str]:
+    """A name for each output: its cache policy, and its directory where two share one."""
+    policies = [results["cache"] for results in evaluations]
+    return [policy if policies.count(policy) == 1 else f"{policy} ({results['directory']})"
+            for policy, results in zip(policies, evaluations, strict=True)]
+
+
+def _evaluated_section(named: Mapping[str, dict]) -> str:
+    """What each output evaluated: model, policy and its options, haystack, grid, precision,
+    versions, and the bytes held after the prompt at each length."""
+    def row(fact: Callable[[dict], str]) -> list[str]:
+        return [fact(results) for results in named.values()]
+
+    facts = {
+        "directory": row(lambda r: r["directory"]),
+        "model": row(lambda r: r["model"]),
+        "cache policy": row(lambda r: r["cache"].partition(":")[0]),
+        "policy options": row(lambda r: r["cache"].partition(":")[2].replace(",", ", ") or "-"),
+        "haystack": row(lambda r: r["haystack"]),
+        "tasks": row(lambda r: ", ".join(r["tasks"])),
+        "context lengths (tokens)": row(lambda r: ", ".join(f"{n:,}" for n in r["lengths"])),
+        "depths": row(lambda r: ", ".join(f"{d:g}" for d in r["depths"])),
+        "prompts per cell": row(lambda r: f"{r['samples']} (seed {r['seed']})"),
+        "kv bytes after the prompt, by length": row(lambda r: "; ".join(
+            f"{int(n):,}: {v['kv_bytes']:,}" for n, v in r["mean"].items())),
+        "precision": row(lambda r: f"{r['precision']['dtype']} on {r['precision']['device']}"),
+        "versions": row(lambda r: ", ".join(f"{k} {v}" for k, v in r["versions"].items())),
+    }
+    return (f"<section id='evaluated'><h2>What was evaluated</h2>"
+            f"{_facts_table(['', *named], facts)}</section>")
+
+
+def _accuracy_section(named: Mapping[str, dict]) -> str:
+    """The outputs' accuracy per task side by side, then each output's by task, length and
+    depth (shown for one output, folded for several)."""
+    shown = " open" if len(named) == 1 else ""
+    details = "".join(
+        f"<details{shown}><summary>{html.escape(label)}: accuracy by task, length and depth"
+        f"</summary><div class='config'>{_table(*longeval_cells(results))}"
+        f"{_table(*longeval_length_cells(results))}</div></details>"
+        for label, results in named.items())
+    return (f"<section id='accuracy'><h2>Accuracy</h2><p>{html.escape(ACCURACY_CAPTION)}</p>"
+            f"{_table(*longeval_comparison(named))}{details}</section>")
+
+
+def _heatmap_section(named: Mapping[str, dict]) -> str:
+    """A row per output: the heatmap of each of its tasks (those ``adaspan longeval`` draws)."""
+    rows = "".join(f"<h3>{html.escape(label)}</h3><div class='heatmaps'>"
+                   + "".join(_heatmap(results, task) for task in results["tasks"]) + "</div>"
+                   for label, results in named.items())
+    return (f"<section id='fig-heatmaps'><h2>Accuracy by context length and depth</h2>"
+            f"<p>{html.escape(HEATMAP_CAPTION)}</p>{rows}</section>")
+
+
+def _heatmap(results: dict, task: str) -> str:
+    """The heatmap of ``task`` in ``results`` (:func:`adaspan.measure.plots.heatmap_figure`)."""
+    png = plots.png_bytes(plots.heatmap_figure(results, task))
+    alt = f"{task}, cache {results['cache']}"
+    return f"<figure>{_image(png, alt)}</figure>"

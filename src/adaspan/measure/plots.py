@@ -1,11 +1,12 @@
-"""The figures of `inspect`, `report` and `compare`, drawn with matplotlib (an optional
-dependency: :class:`PlotError`, one line, where it is missing): spans of every head (the paper's
-Figure 4) and along a text (Figure 5), costs against the span limit (Figures 2 and 3), curves
-against steps and wall time."""
+"""The figures of `inspect`, `report`, `compare` and `longeval`, drawn with matplotlib (an
+optional dependency: :class:`PlotError`, one line, where it is missing): spans of every head
+(the paper's Figure 4) and along a text (Figure 5), costs against the span limit (Figures 2 and
+3), curves against steps and wall time, retrieval accuracy by context length and depth."""
 
 from __future__ import annotations
 
 import io
+import itertools
 import math
 from pathlib import Path
 
@@ -304,6 +305,28 @@ def span_limit_figure(rows: list[dict]):
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def heatmap_figure(results: dict, task: str):
+    """``task``'s accuracy in ``results`` (an ``adaspan longeval`` output,
+    :mod:`adaspan.hf.longeval`) by context length (columns) and depth (rows), 0 red to 1
+    green."""
+    plt = _pyplot()
+    lengths, depths = results["lengths"], [f"{d:g}" for d in results["depths"]]
+    cells = [[results["results"][task][str(n)]["accuracy"][d] for n in lengths]
+             for d in depths]
+    fig, ax = plt.subplots(figsize=(2.5 + 1.1 * len(lengths), 1.8 + 0.45 * len(depths)))
+    image = ax.imshow(cells, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for (row, column), value in zip(itertools.product(range(len(depths)), range(len(lengths))),
+                                    itertools.chain(*cells), strict=True):
+        ax.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+    ax.set_yticks(range(len(depths)), depths)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("depth of the needle")
+    ax.set_title(f"{task}: accuracy (cache {results['cache']})")
+    fig.colorbar(image, ax=ax, label="accuracy")
     return fig
 
 

@@ -2,6 +2,10 @@
 training, its final spans (the paper's Figure 4), its cost against the span limit S (Figure 3)
 and, where spans vary per token, its spans along a text (Figure 5). :func:`write_report` writes
 them to ``report.json`` and renders them into ``report.html`` (:mod:`adaspan.measure.page`).
+
+The report of ``adaspan longeval`` outputs (:func:`write_longeval_report`) renders their
+``longeval.json`` side by side into ``report.html``; :func:`is_longeval_report` tells which
+report directories ask for.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from ..attention.registry import name_of
 from ..attention.span_attention import adaptive_span_attention, fixed_span_attention
 from ..config import ModelConfig, TrainConfig
+from ..errors import UserError
 from ..model import analysis
 from ..model.lm import SpanLM
 from ..run.checkpoint import RunDir, load_model
@@ -24,10 +29,13 @@ from ..run.metrics import read_metrics
 from ..run.tokens import run_codec
 from ..training.memory import step_peak_memory
 from . import plots
-from .page import report_page
+from .page import longeval_page, report_page
 
 REPORT_FILE = "report.html"
 DATA_FILE = "report.json"  # the numbers the figures are drawn from
+LONGEVAL_FILE = "longeval.json"  # the results adaspan longeval --out writes
+LONGEVAL_KEYS = ("model", "haystack", "cache", "tasks", "lengths", "depths", "samples", "seed",
+                 "results", "mean", "precision", "versions")  # what the page reads
 DEFAULT_LIMITS = (256, 512, 1024, 2048, 4096, 8192)
 MEMORY_BATCH = 2  # streams of the memory probe's training step
 DEFAULT_TEXT = "The span increases at the beginning of words and in the middle of composed words."
@@ -164,7 +172,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, text: s
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / DATA_FILE).write_text(json.dumps(data, indent=1) + "\n")
     page = out_dir / REPORT_FILE
-    page.write_text(html)
+    page.write_text(html, encoding="utf-8")
     return page
 
 
@@ -193,3 +201,56 @@ def report_data(model: SpanLM, train_config: TrainConfig, run_dir: RunDir | Path
 def run_events(run_dir: RunDir | Path) -> list[dict]:
     """The metrics records of the run in ``run_dir`` (none without ``metrics.jsonl``)."""
     return read_metrics(RunDir.of(run_dir).metrics_file)
+
+
+# ------------------------------------------------------------------------- longeval outputs
+
+
+def is_longeval_report(dirs: Sequence[str | Path]) -> bool:
+    """Whether ``dirs`` are ``adaspan longeval`` outputs (each holds ``longeval.json``), to
+    report side by side, rather than one training run (its ``config.json``); anything else is
+    a one-line ``UserError`` naming the first directory that is neither."""
+    for path in map(Path, dirs):
+        if (path / LONGEVAL_FILE).is_file():
+            continue
+        if len(dirs) == 1 and RunDir(path).config_file.is_file():
+            return False
+        if not path.is_dir():
+            raise UserError(f"no directory {path}")
+        if len(dirs) == 1:
+            raise UserError(f"{path} is neither a training run (no config.json) nor an "
+                            f"adaspan longeval output (no {LONGEVAL_FILE})")
+        raise UserError(f"{path} is not an adaspan longeval output (no {LONGEVAL_FILE}): "
+                        "several directories are reported as longeval outputs side by side")
+    return True
+
+
+def read_longeval(path: str | Path) -> dict:
+    """The ``longeval.json`` of the directory ``path``, with that ``directory``; one that
+    cannot be read or lacks what the page reads is a one-line ``UserError``."""
+    file = Path(path) / LONGEVAL_FILE
+    try:
+        results = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {file}: {exc}") from exc
+    missing = [key for key in LONGEVAL_KEYS if not isinstance(results, dict) or key not in results]
+    if missing:
+        raise UserError(f"{file} is not an adaspan longeval output: it has no {missing[0]!r}")
+    return {**results, "directory": str(path)}
+
+
+def write_longeval_report(dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> Path:
+    """Write ``out_dir/report.html`` (default: the one directory; several need ``out_dir``),
+    the ``adaspan longeval`` outputs in ``dirs`` side by side
+    (:func:`adaspan.measure.page.longeval_page`); return the page's path."""
+    plots.require_plots()
+    dirs = list(dict.fromkeys(map(Path, dirs)))  # a directory named twice is reported once
+    if out_dir is None and len(dirs) > 1:
+        raise UserError("the report of several longeval outputs needs an output directory "
+                        "(--out DIR)")
+    html = longeval_page([read_longeval(path) for path in dirs])
+    out_dir = Path(out_dir) if out_dir is not None else dirs[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    page = out_dir / REPORT_FILE
+    page.write_text(html, encoding="utf-8")
+    return page

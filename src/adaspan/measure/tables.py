@@ -1,9 +1,11 @@
 """The text tables of the commands, for people: the spans of every head, what an evaluation
 scored (and, on synthetic corpora, its bpc by distance back), each head's span during training,
-a metrics record, the numbers of ``bench``."""
+a metrics record, the numbers of ``bench``; the cells of ``longeval``'s tables (Markdown here,
+HTML in :mod:`adaspan.measure.page`)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 
 from ..model.analysis import span_summary
@@ -133,3 +135,63 @@ def bench_table(result: dict, notes: Mapping[str, str]) -> str:
         note = f"  ({notes[key]})" if key in notes else ""
         lines.append(f"{key:>22}: {shown}{note}")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- longeval
+
+# A table as its cells: the header and the rows, every cell text.
+Cells = tuple[list[str], list[list[str]]]
+
+HELD = "kv bytes after the prompt"
+
+
+def markdown_table(cells: Cells, left: int = 1) -> list[str]:
+    """The lines of ``cells`` as a Markdown table, the first ``left`` columns aligned left,
+    the others right."""
+    head, rows = cells
+    rule = "|" + "---|" * left + "---:|" * (len(head) - left)
+    lines = ["| " + " | ".join(row) + " |" for row in (head, *rows)]
+    return [lines[0], rule, *lines[1:]]
+
+
+def longeval_cells(results: dict) -> Cells:
+    """An ``adaspan longeval`` output (:mod:`adaspan.hf.longeval`) per task and length: the
+    accuracy at each depth, its mean over the depths, and the bytes held after the prompt."""
+    depths = [f"{d:g}" for d in results["depths"]]
+    head = ["task", "length", *(f"depth {d}" for d in depths), "mean", HELD]
+    rows = [[task, f"{int(length):,}", *(f"{cell['accuracy'][d]:.2f}" for d in depths),
+             f"{cell['mean']:.2f}", f"{cell['kv_bytes']:,}"]
+            for task, cells in results["results"].items() for length, cell in cells.items()]
+    return head, rows
+
+
+def longeval_length_cells(results: dict) -> Cells:
+    """A longeval output per length: the accuracy (mean over the tasks) and the bytes held."""
+    rows = [[f"{int(n):,}", f"{value['accuracy']:.2f}", f"{value['kv_bytes']:,}"]
+            for n, value in results["mean"].items()]
+    return ["length", "accuracy (mean over tasks)", HELD], rows
+
+
+def longeval_comparison(evaluations: Mapping[str, dict]) -> Cells:
+    """Longeval outputs side by side, a column each, headed by its key in ``evaluations``:
+    each task's accuracy (the mean over its lengths and depths), the mean over the tasks, and
+    the bytes held after the prompt at each length; "-" where an output lacks the task or the
+    length."""
+    outputs = list(evaluations.values())
+    tasks = list(dict.fromkeys(task for results in outputs for task in results["tasks"]))
+    lengths = sorted({str(n) for results in outputs for n in results["lengths"]}, key=int)
+    rows = [[task, *(_mean_over_lengths(results["results"].get(task, {}), "mean")
+                     for results in outputs)] for task in tasks]
+    rows.append(["mean over tasks", *(_mean_over_lengths(results["mean"], "accuracy")
+                                      for results in outputs)])
+    rows += [[f"{HELD}, length {int(n):,}",
+              *(f"{results['mean'][n]['kv_bytes']:,}" if n in results["mean"] else "-"
+                for results in outputs)] for n in lengths]
+    return ["task", *evaluations], rows
+
+
+def _mean_over_lengths(by_length: Mapping[str, dict], key: str) -> str:
+    """The mean of ``key`` over the cells of ``by_length`` (an accuracy), to two decimals; "-"
+    where there is no cell."""
+    values = [cell[key] for cell in by_length.values()]
+    return f"{statistics.fmean(values):.2f}" if values else "-"
