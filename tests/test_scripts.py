@@ -116,6 +116,7 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
     "hf_cache_speed.py": "tests/hf/test_hf_cache.py",
     "learning_check.py": "tests/training/test_learning_check.py",
     "retrofit_experiment.py": "tests/hf/test_retrofit.py",
+    "evidence_model.py": "tests/hf/test_retrofit.py",
     "retrieval_budget.py": "tests/hf/test_retrofit_methods.py",
     "make_adaptive_io_fixture.py": (
         lambda tmp: [str(ANCHORS / "adaptive-span"), "--out", str(tmp / "out")],

@@ -17,13 +17,14 @@ With ``--retrieval P`` a share P of the steps trains on synthetic retrieval prom
 its answer, at lengths drawn from ``--lengths``, with haystacks from the train split (the first
 ``--haystack-bytes``), depths uniform in [0, 1] and seeds from 10**6 on (evaluation seeds start
 at 0); a step holds about ``--tokens-per-step`` tokens (rows = tokens / length), and the
-answer's tokens weigh ``--answer-weight`` in the loss.
+answer's tokens weigh ``--answer-weight`` in the loss (the log's ``marked_nll``: their mean NLL).
 
 With ``--copy P`` a share P of the steps trains on copies instead: windows of ``--copy-length``
 tokens of the train split in which stretches of 8 to 32 tokens (one per 64 tokens) are
 written again further on, at random distances: a copy is predictable only by finding its
 first tokens earlier (what induction heads do, the mechanism of retrieval), not by looking a
-fixed distance back. About ``--tokens-per-step`` tokens a step.
+fixed distance back. About ``--tokens-per-step`` tokens a step; the copies' tokens after their
+first weigh ``--answer-weight`` (``marked_nll``: their mean NLL).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.tasks = args.tasks.split(",")
     args.lengths = [int(n) for n in (args.lengths or str(args.context)).split(",")]
-    if max(args.lengths) > args.context or args.copy_length > args.context:
+    if max(args.lengths) > args.context or (args.copy and args.copy_length > args.context):
         parser.error("--lengths and --copy-length must not exceed --context")
     if args.copy + args.retrieval > 1:
         parser.error("--copy and --retrieval share the steps: their sum must be at most 1")
@@ -108,18 +109,21 @@ def batch(tokens: np.ndarray, rng: np.random.Generator, size: int, context: int)
     return torch.from_numpy(rows + OFFSET)
 
 
-def copy_batch(tokens: np.ndarray, rng: np.random.Generator, rows: int, length: int
-               ) -> torch.Tensor:
+def copy_batch(tokens: np.ndarray, rng: np.random.Generator, rows: int, length: int,
+               weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` random windows of ``length`` token ids, each with ``length // 64`` stretches of
-    8 to 32 tokens written again at a random later place."""
+    8 to 32 tokens (at most ``length // 4``) written again at a random later place; and each
+    target's loss weight: ``weight`` for the copies' tokens after their first, else 1."""
     x = batch(tokens, rng, rows, length)
-    for row in x:
+    weights = torch.ones(rows, length - 1)
+    for row, w in zip(x, weights, strict=True):
         for _ in range(max(1, length // 64)):
-            n = int(rng.integers(8, 33))
+            n = int(rng.integers(8, min(32, length // 4) + 1))
             source = int(rng.integers(0, length - 2 * n))
             target = int(rng.integers(source + n, length - n + 1))
             row[target:target + n] = row[source:source + n].clone()
-    return x
+            w[target:target + n - 1] = weight  # targets of tokens target + 1 .. target + n - 1
+    return x, weights
 
 
 @torch.no_grad()
@@ -157,15 +161,34 @@ def retrieval_batch(args: argparse.Namespace, haystack: Haystack, rng: np.random
     return ids, weight
 
 
-def weighted_loss(model: LlamaForCausalLM, ids: torch.Tensor, weight: torch.Tensor
-                  ) -> tuple[torch.Tensor, float]:
+def weighted_loss(model: LlamaForCausalLM, ids: torch.Tensor, weight: torch.Tensor,
+                  marked: float) -> tuple[torch.Tensor, float]:
     """Next-token NLL of ``ids`` weighed per target by ``weight`` (B, T - 1), per unit weight
-    of the prompts' own tokens; and the mean NLL of the answers' tokens (weight above 1)."""
+    of the other tokens; and the mean NLL of the targets weighed ``marked`` (answers,
+    copies)."""
     logits = model(ids).logits[:, :-1].float()
     nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-    answers = weight > 1
+    answers = weight == marked
     answer_nll = nll.detach()[answers].mean().item() if answers.any() else math.nan
     return (nll * weight).sum() / weight.clamp(max=1).sum(), answer_nll
+
+
+def step_loss(args: argparse.Namespace, model: LlamaForCausalLM, train: np.ndarray,
+              haystack: Haystack | None, rng: np.random.Generator, step: int, draw: float
+              ) -> tuple[torch.Tensor, float | None]:
+    """The loss of one step, retrieval, copies or text as ``draw`` falls, and the mean NLL of
+    the answers' or copies' tokens (None for text)."""
+    if draw < args.retrieval:
+        return weighted_loss(model, *retrieval_batch(args, haystack, rng, step),
+                             args.answer_weight)
+    if draw < args.retrieval + args.copy:
+        source = (rng.integers(32, 127, 1 << 16).astype(np.uint8) if args.copy_random
+                  else train)
+        rows = max(1, args.tokens_per_step // args.copy_length)
+        return weighted_loss(model, *copy_batch(source, rng, rows, args.copy_length,
+                                                args.answer_weight), args.answer_weight)
+    x = batch(train, rng, args.batch_size, args.context)
+    return model(x, labels=x).loss, None
 
 
 def learning_rate(args: argparse.Namespace, step: int) -> float:
@@ -198,18 +221,8 @@ def train(args: argparse.Namespace) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step - 1)
         draw = rng.random() if args.retrieval or args.copy else 1.0
-        answer_nll = None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            if draw < args.retrieval:
-                loss, answer_nll = weighted_loss(model,
-                                                 *retrieval_batch(args, haystack, rng, step))
-            else:
-                source = (rng.integers(32, 127, 1 << 16).astype(np.uint8) if args.copy_random
-                          else corpus.train)
-                x = (copy_batch(source, rng, args.tokens_per_step // args.copy_length,
-                                args.copy_length) if draw < args.retrieval + args.copy
-                     else batch(corpus.train, rng, args.batch_size, args.context))
-                loss = model(x, labels=x).loss
+            loss, answer_nll = step_loss(args, model, corpus.train, haystack, rng, step, draw)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -220,7 +233,7 @@ def train(args: argparse.Namespace) -> dict:
                     "copy" if draw < args.retrieval + args.copy else "text")
             print(json.dumps({"step": step, "seconds": round(seconds, 1), "kind": kind,
                               "bpb": round(loss.item() / math.log(2), 4),
-                              "answer_nll": answer_nll and round(answer_nll, 3),
+                              "marked_nll": answer_nll and round(answer_nll, 3),
                               "lr": optimizer.param_groups[0]["lr"]}), flush=True)
         if step % args.save_every == 0:
             save(model, args.out)

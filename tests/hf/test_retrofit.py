@@ -153,11 +153,13 @@ def test_train_hf_model_script(tmp_path):
 
 
 def test_train_hf_model_copies_stretches_at_random_distances():
-    """Each copy row repeats stretches of 8 to 32 tokens of itself further on."""
+    """Each copy row repeats stretches of 8 to 32 tokens of itself further on, the copies'
+    targets after their first weighed apart."""
     script = load_script("train_hf_model")
     tokens = np.random.default_rng(0).integers(0, 256, 10_000).astype(np.uint8)
-    rows = script.copy_batch(tokens, np.random.default_rng(1), 16, 128)
-    assert rows.shape == (16, 128)
+    rows, weights = script.copy_batch(tokens, np.random.default_rng(1), 16, 128, 5.0)
+    assert rows.shape == (16, 128) and weights.shape == (16, 127)
+    assert weights.unique().tolist() == [1.0, 5.0] and ((weights == 5).sum(1) >= 7).all()
     distances = set()
     for row in rows.tolist():
         found = [(a, b) for a in range(120) for b in range(a + 8, 121)
@@ -165,6 +167,25 @@ def test_train_hf_model_copies_stretches_at_random_distances():
         assert found  # random bytes repeat 8 in a row only where copied
         distances |= {b - a for a, b in found}
     assert len(distances) > 8  # not one fixed distance back
+
+
+def test_evidence_model_script(tmp_path, capsys):
+    """The three stages and the evaluation run end to end at a tiny size; a second run keeps
+    the stages saved and scores again."""
+    script = load_script("evidence_model")
+    argv = ["--data", "kjv", "--out", str(tmp_path / "ev"), "--context", "512", "--shape",
+            "1,32,4,2,64", "--steps", "2,2,2", "--short-lengths", "384", "--long-lengths",
+            "512", "--copy-length", "64", "--tokens-per-step", "1024", "--eval-lengths", "512",
+            "--depths", "0.5", "--samples", "1", "--threads", "1"]
+    result = script.main(argv)
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
+    assert [stage["stage"] for stage in result["stages"]] == ["copy", "short", "long"]
+    assert all(stage["steps"] == 2 for stage in result["stages"])
+    assert set(result["accuracy"]) == {"passkey", "single_needle"}
+    assert 0 <= result["least"] <= 1
+    saved = (tmp_path / "ev" / "copy" / "model.safetensors").stat().st_mtime
+    assert script.main(argv)["stages"] == result["stages"]
+    assert (tmp_path / "ev" / "copy" / "model.safetensors").stat().st_mtime == saved
 
 
 def test_retrofit_experiment_script(model_dir, tmp_path, capsys):

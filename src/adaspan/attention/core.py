@@ -157,8 +157,7 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
     positions behind each. Returns (B, Hq, M, d) in the dtype of q.
 
     q: (B, Hq, M, d); k, v: (B, Hkv, T, d), T >= M + origin, the last M keys the queries' own,
-    query head h reading key head h // (Hq / Hkv); or ``k`` a :class:`KeysValues` and ``v``
-    None.
+    query head h reading key head h // (Hq / Hkv); or ``k`` a :class:`KeysValues`, ``v`` None.
     z: None (every key in reach weighs 1) or the span, broadcastable to (B, Hq, M), or a
     function that gives it (called only by the backends that read z, not by decode). ``pos``:
     the table (S, d) of p by offset (row o - origin), None for no position product (rotary
@@ -173,28 +172,23 @@ def span_attention(q: Tensor, k: Tensor | KeysValues, v: Tensor | None,
     keys (Hq, d, N) and values (Hq, N, d) joined to every query's softmax without mask or
     position, scored q . key (the caller folds in any scale; band backend only).
     ``log_mask``: the decode backend's (Hq, W) of :func:`span_log_mask`. ``key_mask``: (B, T),
-    False for keys that are not there (a padded batch's pads), which then weigh 0: the decode
-    backend, whatever the number of queries (a query without any key, a pad's own, gets finite
-    weights). ``backend``: one of :data:`BACKENDS`; a fused kernel that cannot run these heads
+    False for keys that are not there (a padded batch's pads), which then weigh 0 (decode
+    backend). ``backend``: one of :data:`BACKENDS`; a fused kernel that cannot run these heads
     falls back to band. ``sinks``: the keys and values of the sequence's first positions, which
     weigh 1 for every query they precede (:mod:`adaspan.attention.sinks`; no table, no memory
-    keys, no key mask; band or decode). ``key_offsets``: (T,) each key's offset behind the
-    query, for keys not in order (a ring buffer's; ``key_mask`` then in the keys' order),
-    weight 0 outside 0 .. W - 1: the decode backend, one query, origin 0, no table.
+    keys, no key mask; band or decode). ``key_offsets``: (T,) each key's offset behind the one
+    query, for keys out of order (a ring buffer's; decode backend, origin 0, no table).
     """
     kv = k if isinstance(k, KeysValues) else KeysValues(k, v)
     B, Hq, M, d = q.shape
     T, Hkv = _check(q, kv, pos, max_span, origin)
     _check_sinks(sinks, pos, memory, key_mask)
-    _check_offsets(key_offsets, log_mask, M, T, origin, pos)
     scale = d**-0.5 if scale is None else scale
     choice = choose_backend(q, backend, memory, log_mask, training and dropout > 0, key_mask,
                             sinks is not None)
-    if key_offsets is not None and choice != "decode":
-        raise ValueError(f"key_offsets take the decode backend, not {choice}")
+    _check_offsets(key_offsets, choice, log_mask, M, T, origin, pos)
     if choice == "decode":
-        return _decode(q, *kv.pair(), log_mask, origin, pos, scale, key_mask, sinks,
-                       key_offsets)
+        return _decode(q, *kv.pair(), log_mask, origin, pos, scale, key_mask, sinks, key_offsets)
     if scale != d**-0.5:  # the band and fused kernels scale by d ** -0.5
         q = q * (scale * d**0.5)
     z = z() if callable(z) else z
@@ -447,15 +441,15 @@ def _check_sinks(sinks: Sinks | None, pos: Tensor | None, memory: object,
         raise ValueError("sinks take no table of positions, memory keys or key mask")
 
 
-def _check_offsets(key_offsets: Tensor | None, log_mask: Tensor | None, M: int, T: int,
-                   origin: int, pos: Tensor | None) -> None:
-    """``key_offsets`` go with a log-mask of W >= T columns, one query over T keys, origin 0,
-    no table."""
+def _check_offsets(key_offsets: Tensor | None, choice: str, log_mask: Tensor | None, M: int,
+                   T: int, origin: int, pos: Tensor | None) -> None:
+    """``key_offsets`` go with the decode backend, a log-mask of W >= T columns, one query
+    over T keys, origin 0, no table."""
     if key_offsets is None:
         return
-    if (log_mask is None or M != 1 or origin or pos is not None
+    if (choice != "decode" or log_mask is None or M != 1 or origin or pos is not None
             or tuple(key_offsets.shape) != (T,) or log_mask.shape[1] < T):
-        raise ValueError("key_offsets (T,) take the decode backend's log_mask (W >= T "
+        raise ValueError("key_offsets (T,) take the decode backend and its log_mask (W >= T "
                          "columns), one query, origin 0 and no table")
 
 

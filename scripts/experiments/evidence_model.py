@@ -1,0 +1,136 @@
+"""Train a small Hugging Face Llama that retrieves with full attention, in stages, and score its
+retrieval with ``adaspan longeval``: the evidence model of ``docs/retrieval-log.md``.
+
+    python scripts/experiments/evidence_model.py --data /work/shared/corpora/gcide.txt.gz \
+        --out /work/evidence/model
+
+Stages (``scripts/experiments/train_hf_model.py``, each from the last one's weights, a new
+schedule each):
+
+1. ``copy``: windows of the train split with stretches written again at random distances
+   (``--copy``), the copies' tokens weighed ``--answer-weight``: induction heads form.
+2. ``short``: retrieval prompts (pass key, single needle) of ``--short-lengths`` tokens with
+   their answers, copies and text.
+3. ``long``: the same at ``--long-lengths``, up to the model's ``--context`` positions.
+
+Then full attention is scored on pass key and single needle at ``--eval-lengths`` × ``--depths``
+× ``--samples`` with haystacks of ``--haystack`` (by default the bundled KJV, which training
+never read; its seeds differ from training's too). ``--out`` holds each stage's model
+(``copy/``, ``short/``, ``long/``; a stage already saved is kept), the evaluation
+(``eval/``, with the heatmaps) and ``evidence.json``: each stage's options, steps, seconds and
+held-out bits per byte, and the accuracy per task and length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from adaspan.hf.longeval import Grid, longeval, summarise, write
+from adaspan.runtime.precision import choose
+
+HERE = Path(__file__).resolve().parent
+TASKS = ("passkey", "single_needle")
+
+
+def _trainer():
+    """``train_hf_model.py`` beside this script, as a module."""
+    spec = importlib.util.spec_from_file_location("train_hf_model", HERE / "train_hf_model.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("train_hf_model", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--data", required=True, help="training corpus (text file or adaspan corpus name)")
+    add("--out", type=Path, required=True)
+    add("--context", type=int, default=4096, help="the model's positions")
+    add("--shape", default="2,128,4,2,344", help="layers,width,heads,kv_heads,d_ff")
+    add("--steps", default="2000,2000,1500", help="steps of the stages copy,short,long")
+    add("--short-lengths", default="384,512")
+    add("--long-lengths", default="1024,2048,4096")
+    add("--copy-length", type=int, default=128)
+    add("--tokens-per-step", type=int, default=8192)
+    add("--answer-weight", type=float, default=3.0)
+    add("--lr", type=float, default=3e-3)
+    add("--haystack", default="kjv", help="the evaluation's haystack text")
+    add("--eval-lengths", default="512,1024,2048,4096")
+    add("--depths", default="0,0.25,0.5,0.75,1")
+    add("--samples", type=int, default=4)
+    add("--threads", type=int, default=2)
+    return parser.parse_args(argv)
+
+
+def stages(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """Each stage's name and its options of ``train_hf_model.py`` beyond the common ones."""
+    copy, short, long = args.steps.split(",")
+    return [("copy", ["--copy", "1", "--steps", copy]),
+            ("short", ["--copy", "0.3", "--retrieval", "0.5", "--lengths",
+                       args.short_lengths, "--steps", short]),
+            ("long", ["--copy", "0.2", "--retrieval", "0.6", "--lengths", args.long_lengths,
+                      "--copy-length", str(4 * args.copy_length), "--steps", long])]
+
+
+def common(args: argparse.Namespace) -> list[str]:
+    layers, width, heads, kv_heads, d_ff = args.shape.split(",")
+    return ["--data", args.data, "--context", str(args.context), "--layers", layers,
+            "--d-model", width, "--heads", heads, "--kv-heads", kv_heads, "--d-ff", d_ff,
+            "--copy-length", str(args.copy_length), "--tokens-per-step",
+            str(args.tokens_per_step), "--answer-weight", str(args.answer_weight), "--lr",
+            str(args.lr), "--batch-size", str(max(1, args.tokens_per_step // args.context)),
+            "--warmup", "30", "--threads", str(args.threads), "--valid-bytes", "16384",
+            "--tasks", ",".join(TASKS), "--log-every", "50"]
+
+
+def train(args: argparse.Namespace) -> list[dict]:
+    """Run the stages not yet saved; each one's options and result."""
+    trainer, done, previous = _trainer(), [], None
+    for name, options in stages(args):
+        out = args.out / name
+        record_file = out / "stage.json"
+        if not record_file.exists():
+            argv = [*common(args), *options, "--out", str(out)]
+            argv += ["--init", str(previous)] if previous else []
+            result = trainer.train(trainer.parse_args(argv))
+            record_file.write_text(json.dumps({"stage": name, "options": options, **result}))
+        done.append(json.loads(record_file.read_text()))
+        previous = out
+    return done
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    """Full attention's retrieval on the held-out haystack, written to ``--out/eval``."""
+    grid = Grid(tasks=TASKS, lengths=tuple(int(n) for n in args.eval_lengths.split(",")),
+                depths=tuple(float(d) for d in args.depths.split(",")), samples=args.samples)
+    torch.set_num_threads(args.threads)
+    results = longeval(args.out / "long", args.haystack, grid, "full",
+                       choose("float32", torch.device("cpu"), "score"), progress=False)
+    write(args.out / "eval", results, plots=importlib.util.find_spec("matplotlib") is not None)
+    return summarise(results["prompts"], grid)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    trained = train(args)
+    summary = evaluate(args)
+    result = {"stages": trained, "haystack": args.haystack,
+              "accuracy": {task: {n: cell["mean"] for n, cell in lengths.items()}
+                           for task, lengths in summary["results"].items()},
+              "least": min(cell["mean"] for lengths in summary["results"].values()
+                           for cell in lengths.values())}
+    (args.out / "evidence.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
