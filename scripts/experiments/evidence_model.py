@@ -12,11 +12,12 @@ schedule each):
 2. ``short``: retrieval prompts (pass key, single needle) of ``--short-lengths`` tokens with
    their answers, copies and text.
 3. ``long``: the same at ``--long-lengths``, up to the model's ``--context`` positions.
+4. ``longest``: again, at the longest two of them, with more retrieval.
 
 Then full attention is scored on pass key and single needle at ``--eval-lengths`` × ``--depths``
 × ``--samples`` with haystacks of ``--haystack`` (by default the bundled KJV, which training
 never read; its seeds differ from training's too). ``--out`` holds each stage's model
-(``copy/``, ``short/``, ``long/``; a stage already saved is kept), the evaluation
+(``copy/``, ``short/``, ``long/``, ``longest/``; a stage already saved is kept), the evaluation
 (``eval/``, with the heatmaps) and ``evidence.json``: each stage's options, steps, seconds and
 held-out bits per byte, and the accuracy per task and length.
 """
@@ -54,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", type=Path, required=True)
     add("--context", type=int, default=4096, help="the model's positions")
     add("--shape", default="2,128,4,2,344", help="layers,width,heads,kv_heads,d_ff")
-    add("--steps", default="2000,2000,1500", help="steps of the stages copy,short,long")
+    add("--steps", default="2000,2000,1500,1500",
+        help="steps of the stages copy,short,long,longest")
     add("--short-lengths", default="384,512")
     add("--long-lengths", default="1024,2048,4096")
     add("--copy-length", type=int, default=128)
@@ -71,12 +73,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def stages(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """Each stage's name and its options of ``train_hf_model.py`` beyond the common ones."""
-    copy, short, long = args.steps.split(",")
+    copy, short, long, longest = args.steps.split(",")
+    long_lengths = args.long_lengths.split(",")
     return [("copy", ["--copy", "1", "--steps", copy]),
             ("short", ["--copy", "0.3", "--retrieval", "0.5", "--lengths",
                        args.short_lengths, "--steps", short]),
             ("long", ["--copy", "0.2", "--retrieval", "0.6", "--lengths", args.long_lengths,
-                      "--copy-length", str(4 * args.copy_length), "--steps", long])]
+                      "--copy-length", str(4 * args.copy_length), "--steps", long]),
+            ("longest", ["--copy", "0.2", "--retrieval", "0.7", "--lengths",
+                         ",".join(long_lengths[-2:]), "--copy-length", str(4 * args.copy_length),
+                         "--steps", longest])]
 
 
 def common(args: argparse.Namespace) -> list[str]:
@@ -111,7 +117,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     grid = Grid(tasks=TASKS, lengths=tuple(int(n) for n in args.eval_lengths.split(",")),
                 depths=tuple(float(d) for d in args.depths.split(",")), samples=args.samples)
     torch.set_num_threads(args.threads)
-    results = longeval(args.out / "long", args.haystack, grid, "full",
+    results = longeval(args.out / stages(args)[-1][0], args.haystack, grid, "full",
                        choose("float32", torch.device("cpu"), "score"), progress=False)
     write(args.out / "eval", results, plots=importlib.util.find_spec("matplotlib") is not None)
     return summarise(results["prompts"], grid)
