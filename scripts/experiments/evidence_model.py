@@ -41,11 +41,9 @@ TASKS = ("passkey", "single_needle")
 
 def _trainer():
     """``train_hf_model.py`` beside this script, as a module."""
-    spec = importlib.util.spec_from_file_location("train_hf_model", HERE / "train_hf_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_hf_model", module)
-    spec.loader.exec_module(module)
-    return module
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    return importlib.import_module("train_hf_model")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -173,15 +173,24 @@ def weighted_loss(model: LlamaForCausalLM, ids: torch.Tensor, weight: torch.Tens
     return (nll * weight).sum() / weight.clamp(max=1).sum(), answer_nll
 
 
-def step_loss(args: argparse.Namespace, model: LlamaForCausalLM, train: np.ndarray,
-              haystack: Haystack | None, rng: np.random.Generator, step: int, draw: float
-              ) -> tuple[torch.Tensor, float | None]:
-    """The loss of one step, retrieval, copies or text as ``draw`` falls, and the mean NLL of
-    the answers' or copies' tokens (None for text)."""
+def step_kind(args: argparse.Namespace, rng: np.random.Generator) -> str:
+    """What a step trains on, drawn with the shares ``--retrieval`` and ``--copy``: retrieval,
+    copy or text (no draw where both are 0)."""
+    draw = rng.random() if args.retrieval or args.copy else 1.0
     if draw < args.retrieval:
+        return "retrieval"
+    return "copy" if draw < args.retrieval + args.copy else "text"
+
+
+def step_loss(args: argparse.Namespace, model: LlamaForCausalLM, train: np.ndarray,
+              haystack: Haystack | None, rng: np.random.Generator, step: int, kind: str
+              ) -> tuple[torch.Tensor, float | None]:
+    """The loss of one step of ``kind`` (:func:`step_kind`), and the mean NLL of the answers'
+    or copies' tokens (None for text)."""
+    if kind == "retrieval":
         return weighted_loss(model, *retrieval_batch(args, haystack, rng, step),
                              args.answer_weight)
-    if draw < args.retrieval + args.copy:
+    if kind == "copy":
         source = (rng.integers(32, 127, 1 << 16).astype(np.uint8) if args.copy_random
                   else train)
         rows = max(1, args.tokens_per_step // args.copy_length)
@@ -220,17 +229,15 @@ def train(args: argparse.Namespace) -> dict:
     for step in range(1, args.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step - 1)
-        draw = rng.random() if args.retrieval or args.copy else 1.0
+        kind = step_kind(args, rng)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            loss, answer_nll = step_loss(args, model, corpus.train, haystack, rng, step, draw)
+            loss, answer_nll = step_loss(args, model, corpus.train, haystack, rng, step, kind)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         seconds = time.perf_counter() - start
         if step % args.log_every == 0 or step == 1:
-            kind = ("retrieval" if draw < args.retrieval else
-                    "copy" if draw < args.retrieval + args.copy else "text")
             print(json.dumps({"step": step, "seconds": round(seconds, 1), "kind": kind,
                               "bpb": round(loss.item() / math.log(2), 4),
                               "marked_nll": answer_nll and round(answer_nll, 3),
