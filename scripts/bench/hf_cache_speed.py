@@ -1,8 +1,10 @@
 """Key/value bytes held and decode speed of a Hugging Face Llama at long contexts, side by side
 in one run: the model with adaptive spans over :class:`adaspan.hf.SpanCache` (``span``) and
-over :class:`adaspan.hf.SpanStaticCache` (``static``; with ``--compile``, also its decode step
-compiled by ``torch.compile``'s inductor: ``static_compiled``) against the same weights without
-spans, sdpa attention over transformers' ``DynamicCache`` (``full``).
+over :class:`adaspan.hf.SpanStaticCache` (``static``) against the same weights without spans,
+sdpa attention over transformers' ``DynamicCache`` (``full``). With ``--compile``, also each
+static cache's decode step compiled by ``torch.compile``'s inductor: the spans'
+(``static_compiled``) and full attention's over transformers' ``StaticCache``
+(``full_compiled``), so that compiled steps are compared with compiled steps.
 
     python scripts/bench/hf_cache_speed.py [--contexts 2048,4096,8192] [--new 64] [--runs 3]
         [--spans 32,64,128,1024] [--layers 4] [--width 256] [--heads 4] [--kv-heads 4]
@@ -31,7 +33,7 @@ import time
 
 import torch
 import transformers
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from adaspan.hf import (
     SpanCache,
@@ -63,13 +65,15 @@ def build(args: argparse.Namespace, positions: int) -> tuple:
     return full, span
 
 
-def setups_of(full, span, compiled: bool) -> dict:
+def setups_of(full, span, compiled: bool, positions: int) -> dict:
     """Each setup's model, decode step (the model, or compiled) and cache."""
     setups = {"span": (span, span, lambda: SpanCache(span)),
               "static": (span, span, lambda: SpanStaticCache(span)),
               "full": (full, full, DynamicCache)}
     if compiled:
         setups["static_compiled"] = (span, torch.compile(span), lambda: SpanStaticCache(span))
+        setups["full_compiled"] = (full, torch.compile(full), lambda: StaticCache(
+            config=full.config, max_cache_len=positions))
     return setups
 
 
@@ -104,11 +108,13 @@ def measure(setups: dict, context: int, args: argparse.Namespace) -> dict:
     result["kv_bytes_ratio"] = round(result["span_kv_bytes"] / result["full_kv_bytes"], 4)
     result["decode_speed_ratio"] = round(result["span_decode_tokens_per_s"]
                                          / result["full_decode_tokens_per_s"], 3)
-    for name in ("static", "static_compiled"):
+    pairs = [("static", "span"), ("static_compiled", "span"), ("static", "full"),
+             ("static_compiled", "full_compiled")]
+    for name, other in pairs:
         if name in runs:
-            result[f"{name}_over_span_decode"] = round(statistics.median(
+            result[f"{name}_over_{other}_decode"] = round(statistics.median(
                 a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
-                for a, b in zip(runs[name], runs["span"], strict=True)), 3)
+                for a, b in zip(runs[name], runs[other], strict=True)), 3)
     return result
 
 
@@ -129,10 +135,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
-    full, span = build(args, max(contexts) + args.new)
-    setups = setups_of(full, span, args.compile)
-    if args.compile:
-        model, step, cache = setups["static_compiled"]
+    positions = max(contexts) + args.new
+    full, span = build(args, positions)
+    setups = setups_of(full, span, args.compile, positions)
+    for name in ("static_compiled", "full_compiled") if args.compile else ():
+        model, step, cache = setups[name]
         decode(model, step, cache(), torch.zeros(1, 8, dtype=torch.long), 2)
     for context in contexts:
         line = measure(setups, context, args)

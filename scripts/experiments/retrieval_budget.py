@@ -6,9 +6,9 @@ retrieval at one cache budget, side by side on one model, and print the comparis
         --context 4096 --lengths 2048,4096 --steps 60 --span-loss 1e-5
 
 1. ``adaspan retrofit`` learns spans (``--method spans``, penalty per byte of cache, sinks, one
-   span per key/value head) and DuoAttention's gates (``--method duo``) with the same data and
-   steps: windows of ``--data`` of which ``--retrieval`` are ``--retrieval-tasks`` prompts
-   (pass key alone by default).
+   span per key/value head; ``--span-optimizer``, ``--span-lr``) and DuoAttention's gates
+   (``--method duo``, Adam at ``--lr``) with the same data and steps: windows of ``--data`` of
+   which ``--retrieval`` are ``--retrieval-tasks`` prompts (pass key alone by default).
 2. The budget is the mean of the bytes the spans' cache holds after the longest prompts.
 3. ``adaspan longeval`` scores, on the ``--haystack`` text (which the spans did not train on)
    and every task (most of which they did not see): the model with full attention (``full``),
@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--span-loss", type=float, default=1e-5, help="bits of loss per byte of cache")
     add("--duo-loss", type=float, default=0.05, help="DuoAttention's L1 coefficient")
     add("--lr", type=float, default=0.02)
+    add("--span-optimizer", choices=("adam", "sgd"), default="adam",
+        help="the spans' optimiser (DuoAttention's gates keep Adam)")
+    add("--span-lr", type=float, help="the spans' learning rate (default: --lr)")
     add("--sinks", type=int, default=4)
     add("--streaming-window", type=int, default=256)
     add("--retrieval", type=float, default=0.5)
@@ -76,9 +79,13 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
     if (out / ("duo_gates.json" if method == "duo" else "retrofit.json")).exists():
         return (json.loads((out / "retrofit.json").read_text()) if method == "spans"
                 else {"gates": str(out)})
+    spans = method == "spans"
+    optimizer = args.span_optimizer if spans else "adam"
+    lr = args.span_lr if spans and args.span_lr else args.lr
     return run("retrofit", str(args.model_dir), "--data", args.data, "--out", str(out),
                "--method", method, "--context", str(args.context), "--steps", str(args.steps),
-               "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--span-loss",
+               "--batch-size", str(args.batch_size), "--lr", str(lr), "--optimizer",
+               optimizer, "--span-loss",
                str(coef), "--penalty", "byte", "--per-kv-head", "--sinks", str(args.sinks),
                "--streaming-window", str(args.streaming_window), "--retrieval",
                str(args.retrieval), "--retrieval-tasks", args.retrieval_tasks, "--eval-bytes",

@@ -29,6 +29,7 @@ CLIP_MODES = ("per-tensor-lr", "global")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LOSSES = ("distill", "lm", "both")  # what adaspan retrofit trains the spans on
 PENALTIES = ("head", "byte")  # adaspan retrofit's span_loss: lambda / M per head, or per byte
+OPTIMIZERS = ("adam", "sgd")  # what steps adaspan retrofit's trained tensors
 
 
 class LiveNames(Collection):
@@ -433,6 +434,7 @@ class RetrofitConfig:
     retrieval: float = 0.0  # share of each step's windows that are retrieval prompts
     retrieval_tasks: str = "passkey"  # their tasks (adaspan.hf.needles), comma-separated
     streaming_window: int = 256  # duo: the recent positions a streaming head reads
+    optimizer: str = "adam"  # Adam, or plain SGD: a step in proportion to the gradient
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -453,13 +455,15 @@ class RetrofitConfig:
         self._check_methods()
 
     def _check_methods(self) -> None:
-        """The options of what trains and on what: method, sinks, penalty, retrieval."""
+        """The options of what trains and how, and on what: method, penalty, optimizer,
+        sinks, retrieval."""
         if RETROFIT_METHODS and self.method not in RETROFIT_METHODS:  # once adaspan.hf is in
             raise ConfigError(f"method must be one of {', '.join(RETROFIT_METHODS)}, got "
                               f"{self.method!r}")
-        if self.penalty not in PENALTIES:
-            raise ConfigError(f"penalty must be one of {', '.join(PENALTIES)}, got "
-                              f"{self.penalty!r}")
+        for name, choices in (("penalty", PENALTIES), ("optimizer", OPTIMIZERS)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name} must be one of {', '.join(choices)}, got "
+                                  f"{getattr(self, name)!r}")
         if self.sinks < 0 or self.streaming_window < 1:
             raise ConfigError(f"sinks must be >= 0 and streaming_window >= 1, got "
                               f"{self.sinks} and {self.streaming_window}")

@@ -109,11 +109,12 @@ def test_windows_are_the_longest_span_of_each_layer():
 def test_the_speed_script_prints_bytes_and_speeds_of_the_caches():
     """``scripts/bench/hf_cache_speed.py`` at a tiny size: one JSON line per context, the span cache
     holding R - 1 = 31 keys per layer (spans below R), the static one the window of R, while the
-    full cache holds them all."""
+    full cache holds them all; with ``--compile``, full attention's static cache holds every
+    position of the longest context from the start."""
     script = Path(__file__).parents[2] / "scripts" / "bench" / "hf_cache_speed.py"
     done = subprocess.run([sys.executable, str(script), "--contexts", "40,80", "--new", "3",
                            "--runs", "1", "--spans", "8,16", "--layers", "2", "--width", "32",
-                           "--heads", "2", "--kv-heads", "1"],
+                           "--heads", "2", "--kv-heads", "1", "--compile"],
                           capture_output=True, text=True, check=True, timeout=300)
     lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
     assert [line["context"] for line in lines] == [40, 80]
@@ -123,7 +124,10 @@ def test_the_speed_script_prints_bytes_and_speeds_of_the_caches():
         assert line["full_kv_bytes"] == 2 * (line["context"] + 3) * per_key
         assert line["static_kv_bytes"] == 2 * 32 * per_key
         assert line["span_decode_tokens_per_s"] > 0 and line["full_decode_tokens_per_s"] > 0
-        assert line["static_over_span_decode"] > 0
+        assert line["full_compiled_kv_bytes"] == 2 * (80 + 3) * per_key
+        assert line["static_compiled_kv_bytes"] == line["static_kv_bytes"]
+        assert line["static_compiled_over_full_compiled_decode"] > 0
+        assert line["static_over_span_decode"] > 0 and line["static_over_full_decode"] > 0
 
 
 def test_spans_per_key_value_head_keep_their_windows_in_the_cache():

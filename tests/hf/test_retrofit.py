@@ -57,6 +57,22 @@ def test_without_penalty_distillation_keeps_full_spans(model_dir, tmp_path):
     assert all((z == 1).all() for z in z_fracs(run))
 
 
+@pytest.mark.parametrize("optimizer, step", [("sgd", 0.05 * 0.1 * CONTEXT / 4), ("adam", 0.05)])
+def test_the_first_step_moves_z_by_the_optimizer_s_rule(model_dir, tmp_path, optimizer, step):
+    """At z' = 1 every key of a window lies inside the span, so only the penalty lambda / M sum
+    z (z = S z', M = 4 heads) has a gradient, lambda S / M per head: SGD steps z' by lr times
+    it, Adam's first step by lr whatever its size."""
+    run = retrofit(options(model_dir, tmp_path / "out", steps=1, optimizer=optimizer), FP32,
+                   progress=False)
+    for z in z_fracs(run):
+        torch.testing.assert_close(z, torch.full_like(z, 1 - step))
+
+
+def test_an_unknown_optimizer_is_refused(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="optimizer must be one of adam, sgd, got 'lbfgs'"):
+        options(model_dir, tmp_path / "out", optimizer="lbfgs")
+
+
 def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monkeypatch):
     whole = z_fracs(retrofit(options(model_dir, tmp_path / "whole"), FP32, progress=False))
     step = Retrofit.train_step

@@ -117,13 +117,15 @@ def test_a_signal_stops_after_its_step_and_resumes_exactly(model_dir, tmp_path, 
 
 def test_retrieval_budget_script(model_dir, tmp_path, capsys):
     """The comparison at one budget runs end to end at a tiny size: every policy scored, the
-    baselines held within the spans' budget."""
+    baselines held within the spans' budget; the spans stepped by SGD at their own rate, the
+    gates by Adam."""
     script = load_script("retrieval_budget")
     result = script.main([str(model_dir), "--data", "kjv", "--haystack", "kjv", "--out",
                           str(tmp_path / "cmp"), "--context", "400", "--lengths", "400",
                           "--depths", "0.5", "--tasks", "passkey,single_needle", "--samples",
                           "1", "--steps", "2", "--sinks", "2", "--streaming-window", "16",
-                          "--eval-bytes", "500", "--decode-tokens", "2", "--span-loss", "1e-3"])
+                          "--eval-bytes", "500", "--decode-tokens", "2", "--span-loss", "1e-3",
+                          "--span-optimizer", "sgd", "--span-lr", "0.5"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
     assert set(result["policies"]) == {"full", "spans", "streaming", "duo", "snapkv"}
     budget = result["budget_bytes"]
@@ -131,3 +133,7 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
         assert result["policies"][name]["kv_bytes"]["400"] <= budget, name
     assert result["policies"]["spans"]["kv_bytes"]["400"] == budget
     assert set(result["policies"]["spans"]["accuracy"]) == {"passkey", "single_needle"}
+    settings = {method: json.loads((tmp_path / "cmp" / method / "retrofit_settings.json")
+                                   .read_text()) for method in ("spans", "duo")}
+    assert (settings["spans"]["optimizer"], settings["spans"]["lr"]) == ("sgd", 0.5)
+    assert (settings["duo"]["optimizer"], settings["duo"]["lr"]) == ("adam", 0.02)

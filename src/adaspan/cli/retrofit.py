@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import LOSSES, PENALTIES, RetrofitConfig
+from ..config import LOSSES, OPTIMIZERS, PENALTIES, RetrofitConfig
 from ..data.corpora import resolve_data
 from ..runtime.distributed import Distributed, resolve_device
 from ..runtime.precision import choose
@@ -40,7 +40,11 @@ def add_retrofit(commands) -> None:
                    help="optimiser steps of the spans")
     p.add_argument("--batch-size", type=positive_int, default=default.batch_size,
                    help="windows per step")
-    p.add_argument("--lr", type=positive_float, default=default.lr, help="Adam's step on z'")
+    p.add_argument("--lr", type=positive_float, default=default.lr, help="the optimiser's "
+                   "learning rate on z'")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=default.optimizer, help="adam; "
+                   "sgd: each step in proportion to the gradient, so that the penalty's scale "
+                   "sets how fast spans shrink")
     p.add_argument("--span-loss", type=float, default=default.span_loss,
                    help="lambda of the span penalty lambda/M * sum z")
     p.add_argument("--loss", choices=LOSSES, default=default.loss, help="distill: KL to the "
@@ -99,7 +103,7 @@ def _retrofit(args: argparse.Namespace) -> int:
         args.max_span, args.ramp, args.context, args.steps, args.batch_size, args.lr,
         args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head,
         args.method, args.sinks, args.penalty, args.retrieval, args.retrieval_tasks,
-        args.streaming_window)
+        args.streaming_window, args.optimizer)
     dist = Distributed.from_env()
     device = _process_device(args.device, dist)
     with dist.joined(device):  # a sharded model is measured by the processes together

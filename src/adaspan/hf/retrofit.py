@@ -7,9 +7,10 @@ trained, on random windows of ``context`` tokens of the text's train split, to m
     KL(p_full || p_z) (distillation) and/or the NLL of the text, + lambda / M * sum_i z_i
 
 where p_full is the frozen model's next-token distribution with its own attention (computed
-under ``no_grad``) and p_z the same model with the soft mask m_z (eq. 2) in every head. After
-each step z' is clamped to [0, 1]. The window of each step is drawn from (seed, step) alone, so
-a run resumed from its checkpoint continues bit for bit.
+under ``no_grad``) and p_z the same model with the soft mask m_z (eq. 2) in every head. Adam
+(or SGD: ``optimizer="sgd"``) steps z'; after each step z' is clamped to [0, 1]. The window of
+each step is drawn from (seed, step) alone, so a run resumed from its checkpoint continues bit
+for bit.
 
 Under ``torchrun`` the run is data-parallel: each process computes the loss of its rows of the
 step's windows, the gradients of z' are averaged over the processes (one all-reduce), and every
@@ -45,6 +46,7 @@ from .retrofit_data import TrainData
 
 STATE_FILE = "retrofit_state.pt"  # the step, z' of every layer, the optimiser
 SETTINGS_FILE = "retrofit_settings.json"  # the RetrofitConfig of the run
+OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # RetrofitConfig.optimizer
 
 
 class RetrofitError(UserError):
@@ -263,7 +265,7 @@ def prepare(config: RetrofitConfig, resume: bool, device: torch.device, dist: Di
     method.attach(model, config)
     if shard:
         shard_frozen(model, device, method)
-    optimizer = torch.optim.Adam(method.parameters(model), lr=config.lr)
+    optimizer = OPTIMIZERS[config.optimizer](method.parameters(model), lr=config.lr)
     with dist.main_first():
         data = TrainData.read(config, tokenizer)
     retrofit = Retrofit(config, model, tokenizer, original, data, optimizer, dist=dist,
