@@ -13,13 +13,15 @@ schedule each):
    their answers, copies and text.
 3. ``long``: the same at ``--long-lengths``, up to the model's ``--context`` positions.
 4. ``longest``: again, at the longest two of them, with more retrieval.
+5. ``final``: retrieval prompts at every length of the evaluation (``--eval-lengths``), at a
+   third of the learning rate.
 
 Then full attention is scored on pass key and single needle at ``--eval-lengths`` × ``--depths``
 × ``--samples`` with haystacks of ``--haystack`` (by default the bundled KJV, which training
 never read; its seeds differ from training's too). ``--out`` holds each stage's model
-(``copy/``, ``short/``, ``long/``, ``longest/``; a stage already saved is kept), the evaluation
-(``eval/``, with the heatmaps) and ``evidence.json``: each stage's options, steps, seconds and
-held-out bits per byte, and the accuracy per task and length.
+(``copy/`` ... ``final/``; a stage already saved is kept), the evaluation (``eval/``, with the
+heatmaps) and ``evidence.json``: each stage's options, steps, seconds and held-out bits per
+byte, and the accuracy per task and length.
 """
 
 from __future__ import annotations
@@ -52,9 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--data", required=True, help="training corpus (text file or adaspan corpus name)")
     add("--out", type=Path, required=True)
     add("--context", type=int, default=4096, help="the model's positions")
-    add("--shape", default="2,128,4,2,344", help="layers,width,heads,kv_heads,d_ff")
-    add("--steps", default="2000,2000,1500,1500",
-        help="steps of the stages copy,short,long,longest")
+    add("--shape", default="3,128,4,2,344", help="layers,width,heads,kv_heads,d_ff")
+    add("--steps", default="2000,2000,1500,2500,1500",
+        help="steps of the stages copy,short,long,longest,final")
     add("--short-lengths", default="384,512")
     add("--long-lengths", default="1024,2048,4096")
     add("--copy-length", type=int, default=128)
@@ -71,16 +73,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def stages(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """Each stage's name and its options of ``train_hf_model.py`` beyond the common ones."""
-    copy, short, long, longest = args.steps.split(",")
-    long_lengths = args.long_lengths.split(",")
+    copy, short, long, longest, final = args.steps.split(",")
+    long_lengths, copy_length = args.long_lengths.split(","), str(4 * args.copy_length)
     return [("copy", ["--copy", "1", "--steps", copy]),
             ("short", ["--copy", "0.3", "--retrieval", "0.5", "--lengths",
                        args.short_lengths, "--steps", short]),
             ("long", ["--copy", "0.2", "--retrieval", "0.6", "--lengths", args.long_lengths,
-                      "--copy-length", str(4 * args.copy_length), "--steps", long]),
+                      "--copy-length", copy_length, "--steps", long]),
             ("longest", ["--copy", "0.2", "--retrieval", "0.7", "--lengths",
-                         ",".join(long_lengths[-2:]), "--copy-length", str(4 * args.copy_length),
-                         "--steps", longest])]
+                         ",".join(long_lengths[-2:]), "--copy-length", copy_length,
+                         "--steps", longest]),
+            ("final", ["--copy", "0.1", "--retrieval", "0.8", "--lengths", args.eval_lengths,
+                       "--copy-length", copy_length, "--lr", str(args.lr / 3), "--steps", final])]
 
 
 def common(args: argparse.Namespace) -> list[str]:

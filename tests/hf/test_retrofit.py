@@ -186,16 +186,17 @@ def test_train_hf_model_copies_stretches_at_random_distances():
 
 
 def test_evidence_model_script(tmp_path, capsys):
-    """The three stages and the evaluation run end to end at a tiny size; a second run keeps
+    """The five stages and the evaluation run end to end at a tiny size; a second run keeps
     the stages saved and scores again."""
     script = load_script("evidence_model")
     argv = ["--data", "kjv", "--out", str(tmp_path / "ev"), "--context", "512", "--shape",
-            "1,32,4,2,64", "--steps", "2,2,2,2", "--short-lengths", "384", "--long-lengths",
+            "1,32,4,2,64", "--steps", "2,2,2,2,2", "--short-lengths", "384", "--long-lengths",
             "512", "--copy-length", "64", "--tokens-per-step", "1024", "--eval-lengths", "512",
             "--depths", "0.5", "--samples", "1", "--threads", "1"]
     result = script.main(argv)
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
-    assert [stage["stage"] for stage in result["stages"]] == ["copy", "short", "long", "longest"]
+    assert [stage["stage"] for stage in result["stages"]] == ["copy", "short", "long", "longest",
+                                                               "final"]
     assert all(stage["steps"] == 2 for stage in result["stages"])
     assert set(result["accuracy"]) == {"passkey", "single_needle"}
     assert 0 <= result["least"] <= 1
