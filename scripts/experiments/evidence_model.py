@@ -17,11 +17,13 @@ schedule each):
    third of the learning rate.
 
 Then full attention is scored on pass key and single needle at ``--eval-lengths`` × ``--depths``
-× ``--samples`` with haystacks of ``--haystack`` (by default the bundled KJV, which training
-never read; its seeds differ from training's too). ``--out`` holds each stage's model
-(``copy/`` ... ``final/``; a stage already saved is kept), the evaluation (``eval/``, with the
-heatmaps) and ``evidence.json``: each stage's options, steps, seconds and held-out bits per
-byte, and the accuracy per task and length.
+× ``--samples`` with the haystacks of each of ``--haystacks``: by default the test split of
+``--data`` (the same kind of text, never read in training) and the bundled KJV (another kind,
+with verse numbers among its words); the evaluation's seeds differ from training's too.
+``--out`` holds each stage's model (``copy/`` ... ``final/``; a stage already saved is kept),
+each evaluation (``eval-test/``, ``eval-kjv/``, with the heatmaps) and ``evidence.json``: each
+stage's options, steps, seconds and held-out bits per byte, and per haystack the accuracy per
+task and length (the mean over depths) and the least of any length and depth.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from adaspan.data.corpora import load_corpus
 from adaspan.hf.longeval import Grid, longeval, summarise, write
 from adaspan.runtime.precision import choose
 
@@ -63,10 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--tokens-per-step", type=int, default=8192)
     add("--answer-weight", type=float, default=3.0)
     add("--lr", type=float, default=3e-3)
-    add("--haystack", default="kjv", help="the evaluation's haystack text")
+    add("--haystacks", default="test,kjv", help="the evaluation's haystack texts, "
+        "comma-separated: test (the test split of --data) or a corpus name or file")
     add("--eval-lengths", default="512,1024,2048,4096")
     add("--depths", default="0,0.25,0.5,0.75,1")
-    add("--samples", type=int, default=4)
+    add("--samples", type=int, default=10)
     add("--threads", type=int, default=2)
     return parser.parse_args(argv)
 
@@ -114,27 +118,41 @@ def train(args: argparse.Namespace) -> list[dict]:
     return done
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    """Full attention's retrieval on the held-out haystack, written to ``--out/eval``."""
+def haystack_text(args: argparse.Namespace, name: str) -> str:
+    """``test``: the test split of ``--data`` (which training never reads), written to
+    ``--out/test-haystack.txt``; else the corpus name or file ``name``."""
+    if name != "test":
+        return name
+    path = args.out / "test-haystack.txt"
+    if not path.exists():
+        path.write_bytes(bytes(load_corpus(args.data, progress=False).split("test")))
+    return str(path)
+
+
+def evaluate(args: argparse.Namespace, haystack: str) -> dict:
+    """Full attention's retrieval on one held-out haystack, written to ``--out/eval-NAME``:
+    per task and length the mean over depths, and the least cell (length and depth)."""
     grid = Grid(tasks=TASKS, lengths=tuple(int(n) for n in args.eval_lengths.split(",")),
                 depths=tuple(float(d) for d in args.depths.split(",")), samples=args.samples)
     torch.set_num_threads(args.threads)
-    results = longeval(args.out / stages(args)[-1][0], args.haystack, grid, "full",
-                       choose("float32", torch.device("cpu"), "score"), progress=False)
-    write(args.out / "eval", results, plots=importlib.util.find_spec("matplotlib") is not None)
-    return summarise(results["prompts"], grid)
+    results = longeval(args.out / stages(args)[-1][0], haystack_text(args, haystack), grid,
+                       "full", choose("float32", torch.device("cpu"), "score"), progress=False)
+    name = Path(haystack).name.split(".")[0]
+    write(args.out / f"eval-{name}", results,
+          plots=importlib.util.find_spec("matplotlib") is not None)
+    cells = summarise(results["prompts"], grid)["results"]
+    return {"accuracy": {task: {n: cell["mean"] for n, cell in lengths.items()}
+                         for task, lengths in cells.items()},
+            "least_cell": min(min(cell["accuracy"].values()) for lengths in cells.values()
+                              for cell in lengths.values())}
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     trained = train(args)
-    summary = evaluate(args)
-    result = {"stages": trained, "haystack": args.haystack,
-              "accuracy": {task: {n: cell["mean"] for n, cell in lengths.items()}
-                           for task, lengths in summary["results"].items()},
-              "least": min(cell["mean"] for lengths in summary["results"].values()
-                           for cell in lengths.values())}
+    result = {"stages": trained, "samples": args.samples,
+              "haystacks": {name: evaluate(args, name) for name in args.haystacks.split(",")}}
     (args.out / "evidence.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
     return result

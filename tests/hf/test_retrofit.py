@@ -198,8 +198,12 @@ def test_evidence_model_script(tmp_path, capsys):
     assert [stage["stage"] for stage in result["stages"]] == ["copy", "short", "long", "longest",
                                                                "final"]
     assert all(stage["steps"] == 2 for stage in result["stages"])
-    assert set(result["accuracy"]) == {"passkey", "single_needle"}
-    assert 0 <= result["least"] <= 1
+    assert set(result["haystacks"]) == {"test", "kjv"}
+    for scored in result["haystacks"].values():
+        assert set(scored["accuracy"]) == {"passkey", "single_needle"}
+        assert 0 <= scored["least_cell"] <= min(scored["accuracy"]["passkey"].values())
+    test_split = bytes(load_corpus("kjv", progress=False).split("test"))
+    assert (tmp_path / "ev" / "test-haystack.txt").read_bytes() == test_split
     saved = (tmp_path / "ev" / "copy" / "model.safetensors").stat().st_mtime
     assert script.main(argv)["stages"] == result["stages"]
     assert (tmp_path / "ev" / "copy" / "model.safetensors").stat().st_mtime == saved
