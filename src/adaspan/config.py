@@ -29,7 +29,7 @@ CLIP_MODES = ("per-tensor-lr", "global")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LOSSES = ("distill", "lm", "both")  # what adaspan retrofit trains the spans on
 PENALTIES = ("head", "byte")  # adaspan retrofit's span_loss: lambda / M per head, or per byte
-OPTIMIZERS = ("adam", "sgd")  # what steps adaspan retrofit's trained tensors
+RETROFIT_OPTIMIZERS = ("adam", "sgd")  # what steps adaspan retrofit's trained tensors
 
 
 class LiveNames(Collection):
@@ -460,7 +460,7 @@ class RetrofitConfig:
         if RETROFIT_METHODS and self.method not in RETROFIT_METHODS:  # once adaspan.hf is in
             raise ConfigError(f"method must be one of {', '.join(RETROFIT_METHODS)}, got "
                               f"{self.method!r}")
-        for name, choices in (("penalty", PENALTIES), ("optimizer", OPTIMIZERS)):
+        for name, choices in (("penalty", PENALTIES), ("optimizer", RETROFIT_OPTIMIZERS)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name} must be one of {', '.join(choices)}, got "
                                   f"{getattr(self, name)!r}")

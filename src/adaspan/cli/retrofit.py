@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import LOSSES, OPTIMIZERS, PENALTIES, RetrofitConfig
+from ..config import LOSSES, PENALTIES, RETROFIT_OPTIMIZERS, RetrofitConfig
 from ..data.corpora import resolve_data
 from ..runtime.distributed import Distributed, resolve_device
 from ..runtime.precision import choose
@@ -42,9 +42,9 @@ def add_retrofit(commands) -> None:
                    help="windows per step")
     p.add_argument("--lr", type=positive_float, default=default.lr, help="the optimiser's "
                    "learning rate on z'")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=default.optimizer, help="adam; "
-                   "sgd: each step in proportion to the gradient, so that the penalty's scale "
-                   "sets how fast spans shrink")
+    p.add_argument("--optimizer", choices=RETROFIT_OPTIMIZERS, default=default.optimizer,
+                   help="adam; sgd: each step in proportion to the gradient, so that the "
+                   "penalty's scale sets how fast spans shrink")
     p.add_argument("--span-loss", type=float, default=default.span_loss,
                    help="lambda of the span penalty lambda/M * sum z")
     p.add_argument("--loss", choices=LOSSES, default=default.loss, help="distill: KL to the "
