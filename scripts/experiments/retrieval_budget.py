@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 
 from adaspan.cli import main as adaspan
+from adaspan.config import RETROFIT_OPTIMIZERS
 
 POLICIES = ("full", "spans", "streaming", "duo", "snapkv")
 
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--span-loss", type=float, default=1e-5, help="bits of loss per byte of cache")
     add("--duo-loss", type=float, default=0.05, help="DuoAttention's L1 coefficient")
     add("--lr", type=float, default=0.02)
-    add("--span-optimizer", choices=("adam", "sgd"), default="adam",
+    add("--span-optimizer", choices=RETROFIT_OPTIMIZERS, default="adam",
         help="the spans' optimiser (DuoAttention's gates keep Adam)")
     add("--span-lr", type=float, help="the spans' learning rate (default: --lr)")
     add("--sinks", type=int, default=4)
