@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 
 from adaspan.cli import main as adaspan
-from adaspan.config import RETROFIT_OPTIMIZERS
+from adaspan.config import RETRIEVAL_LOSSES, RETROFIT_OPTIMIZERS, RetrofitConfig
 
 POLICIES = ("full", "spans", "streaming", "duo", "snapkv")
 
@@ -54,10 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--span-optimizer", choices=RETROFIT_OPTIMIZERS, default="adam",
         help="the spans' optimiser (DuoAttention's gates keep Adam)")
     add("--span-lr", type=float, help="the spans' learning rate (default: --lr)")
+    add("--ramp", type=int, default=RetrofitConfig.ramp, help="the spans' ramp R")
     add("--sinks", type=int, default=4)
     add("--streaming-window", type=int, default=256)
     add("--retrieval", type=float, default=0.5)
     add("--retrieval-tasks", default="passkey")
+    add("--retrieval-loss", choices=RETRIEVAL_LOSSES, default=RetrofitConfig.retrieval_loss)
     add("--eval-bytes", type=int, default=65536)
     add("--decode-tokens", type=int, default=64)
     add("--threads", type=int, default=0, help="torch's CPU threads (0: its default)")
@@ -85,6 +87,7 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
     lr = args.span_lr if spans and args.span_lr else args.lr
     return run("retrofit", str(args.model_dir), "--data", args.data, "--out", str(out),
                "--method", method, "--context", str(args.context), "--steps", str(args.steps),
+               "--ramp", str(args.ramp), "--retrieval-loss", args.retrieval_loss,
                "--batch-size", str(args.batch_size), "--lr", str(lr), "--optimizer",
                optimizer, "--span-loss",
                str(coef), "--penalty", "byte", "--per-kv-head", "--sinks", str(args.sinks),

@@ -30,6 +30,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 LOSSES = ("distill", "lm", "both")  # what adaspan retrofit trains the spans on
 PENALTIES = ("head", "byte")  # adaspan retrofit's span_loss: lambda / M per head, or per byte
 RETROFIT_OPTIMIZERS = ("adam", "sgd")  # what steps adaspan retrofit's trained tensors
+RETRIEVAL_LOSSES = ("answer", "all")  # the positions of a retrieval prompt the loss scores
 
 
 class LiveNames(Collection):
@@ -435,6 +436,7 @@ class RetrofitConfig:
     retrieval_tasks: str = "passkey"  # their tasks (adaspan.hf.needles), comma-separated
     streaming_window: int = 256  # duo: the recent positions a streaming head reads
     optimizer: str = "adam"  # Adam, or plain SGD: a step in proportion to the gradient
+    retrieval_loss: str = "answer"  # a retrieval prompt's loss: its answer, or every position
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -460,7 +462,8 @@ class RetrofitConfig:
         if RETROFIT_METHODS and self.method not in RETROFIT_METHODS:  # once adaspan.hf is in
             raise ConfigError(f"method must be one of {', '.join(RETROFIT_METHODS)}, got "
                               f"{self.method!r}")
-        for name, choices in (("penalty", PENALTIES), ("optimizer", RETROFIT_OPTIMIZERS)):
+        for name, choices in (("penalty", PENALTIES), ("optimizer", RETROFIT_OPTIMIZERS),
+                              ("retrieval_loss", RETRIEVAL_LOSSES)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name} must be one of {', '.join(choices)}, got "
                                   f"{getattr(self, name)!r}")

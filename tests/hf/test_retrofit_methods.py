@@ -20,8 +20,8 @@ from adaspan.errors import ConfigError
 from adaspan.hf import load_pretrained, span_modules
 from adaspan.hf.budget import cache_loss
 from adaspan.hf.duo import read_gates
-from adaspan.hf.methods import span_parameters, span_penalty
-from adaspan.hf.retrofit import Retrofit, retrofit
+from adaspan.hf.methods import METHODS, span_parameters, span_penalty
+from adaspan.hf.retrofit import Retrofit, full_attention, load_frozen, retrofit, span_losses
 from adaspan.hf.retrofit_data import TrainData, window_batch
 from adaspan.runtime.precision import choose
 
@@ -33,19 +33,56 @@ def model_dir(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("llama"), positions=400)
 
 
-def test_retrieval_prompts_replace_the_last_windows(model_dir, tmp_path):
+@pytest.mark.parametrize("retrieval_loss", ["answer", "all"])
+def test_retrieval_prompts_replace_the_last_windows(model_dir, tmp_path, retrieval_loss):
     config = options(model_dir, tmp_path, context=400, batch_size=4, retrieval=0.5,
-                     retrieval_tasks="passkey,single_needle")
+                     retrieval_tasks="passkey,single_needle", retrieval_loss=retrieval_loss)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = TrainData.read(config, tokenizer)
-    x = data.batch(3)
-    assert x.shape == (4, 400) and torch.equal(x, data.batch(3))  # drawn from (seed, step)
-    assert torch.equal(x[:2], window_batch(data.tokens, config, 3)[:2])
-    for row in x[2:]:
+    x, scored = data.batch(3)
+    assert x.shape == scored.shape == (4, 400)
+    assert all(torch.equal(a, b) for a, b in zip((x, scored), data.batch(3), strict=True))
+    assert torch.equal(x[:2], window_batch(data.tokens, config, 3)[:2]) and scored[:2].all()
+    for row, row_scored in zip(x[2:], scored[2:], strict=True):
         text = tokenizer.decode(row, skip_special_tokens=True)
         value = text.rsplit(" ", 1)[-1].rstrip(".")  # the answer, after the question
         assert value.isdigit() and text.count(value) >= 2  # where it was hidden, and answered
-    assert not torch.equal(x[2:], data.batch(4)[2:])
+        if retrieval_loss == "all":
+            assert row_scored.all()
+        else:  # exactly the positions whose next token is the answer's
+            predicted = row[1:][row_scored[:-1]]
+            assert tokenizer.decode(predicted).strip() == f"{value}." and not row_scored[-1]
+    assert not torch.equal(x[2:], data.batch(4)[0][2:])
+
+
+@pytest.mark.parametrize("loss", ["distill", "lm"])
+def test_the_loss_is_a_mean_over_rows_of_each_row_s_scored_positions(model_dir, tmp_path, loss):
+    config = options(model_dir, tmp_path, loss=loss, span_loss=0.0)
+    model, _ = load_frozen(str(model_dir))
+    original = model.config._attn_implementation
+    METHODS["spans"].attach(model, config)
+    with torch.no_grad():
+        for param in span_parameters(model):
+            param.fill_(0.02)  # spans shorter than the context: student and teacher differ
+    x = torch.randint(0, model.config.vocab_size, (3, config.context))
+    scored = torch.rand(x.shape) < 0.3
+    scored[:, 0] = True  # every row scores a position that predicts a token
+    with torch.no_grad():
+        got = span_losses(model, original, x, scored, config)
+        student = model(input_ids=x).logits.double().log_softmax(-1)
+        with full_attention(model, original):
+            teacher = model(input_ids=x).logits.double().log_softmax(-1)
+    rows = []
+    for b in range(3):  # the naive reference: one row, one position at a time
+        terms = []
+        for t in scored[b].nonzero().flatten().tolist():
+            if loss == "distill":
+                terms.append((teacher[b, t].exp() * (teacher[b, t] - student[b, t])).sum())
+            elif t + 1 < config.context:
+                terms.append(-student[b, t, x[b, t + 1]])
+        rows.append(sum(terms) / len(terms))
+    name = "kl" if loss == "distill" else "nll"
+    assert got[name].item() == pytest.approx((sum(rows) / 3).item(), rel=1e-4)
 
 
 def test_a_task_longer_than_the_context_is_refused_before_any_step(model_dir, tmp_path):
@@ -118,14 +155,15 @@ def test_a_signal_stops_after_its_step_and_resumes_exactly(model_dir, tmp_path, 
 def test_retrieval_budget_script(model_dir, tmp_path, capsys):
     """The comparison at one budget runs end to end at a tiny size: every policy scored, the
     baselines held within the spans' budget; the spans stepped by SGD at their own rate, the
-    gates by Adam."""
+    gates by Adam, both with the ramp and the retrieval loss asked for."""
     script = load_script("retrieval_budget")
     result = script.main([str(model_dir), "--data", "kjv", "--haystack", "kjv", "--out",
                           str(tmp_path / "cmp"), "--context", "400", "--lengths", "400",
                           "--depths", "0.5", "--tasks", "passkey,single_needle", "--samples",
                           "1", "--steps", "2", "--sinks", "2", "--streaming-window", "16",
                           "--eval-bytes", "500", "--decode-tokens", "2", "--span-loss", "1e-3",
-                          "--span-optimizer", "sgd", "--span-lr", "0.5"])
+                          "--span-optimizer", "sgd", "--span-lr", "0.5", "--ramp", "64",
+                          "--retrieval-loss", "all"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
     assert set(result["policies"]) == {"full", "spans", "streaming", "duo", "snapkv"}
     budget = result["budget_bytes"]
@@ -137,3 +175,5 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
                                    .read_text()) for method in ("spans", "duo")}
     assert (settings["spans"]["optimizer"], settings["spans"]["lr"]) == ("sgd", 0.5)
     assert (settings["duo"]["optimizer"], settings["duo"]["lr"]) == ("adam", 0.02)
+    for method in ("spans", "duo"):  # the same data and loss for both
+        assert (settings[method]["ramp"], settings[method]["retrieval_loss"]) == (64, "all")

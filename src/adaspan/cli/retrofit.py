@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import LOSSES, PENALTIES, RETROFIT_OPTIMIZERS, RetrofitConfig
+from ..config import LOSSES, PENALTIES, RETRIEVAL_LOSSES, RETROFIT_OPTIMIZERS, RetrofitConfig
 from ..data.corpora import resolve_data
 from ..runtime.distributed import Distributed, resolve_device
 from ..runtime.precision import choose
@@ -81,6 +81,9 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
                    "step's windows that are retrieval prompts with their answers")
     p.add_argument("--retrieval-tasks", default=default.retrieval_tasks, help="their tasks "
                    "(adaspan longeval's), comma-separated")
+    p.add_argument("--retrieval-loss", choices=RETRIEVAL_LOSSES, default=default.retrieval_loss,
+                   help="what of a retrieval prompt the loss scores: the positions that "
+                   "predict its answer, or all")
     p.add_argument("--streaming-window", type=positive_int, default=default.streaming_window,
                    help="duo: the recent positions a streaming head reads")
 
@@ -103,7 +106,7 @@ def _retrofit(args: argparse.Namespace) -> int:
         args.max_span, args.ramp, args.context, args.steps, args.batch_size, args.lr,
         args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head,
         args.method, args.sinks, args.penalty, args.retrieval, args.retrieval_tasks,
-        args.streaming_window, args.optimizer)
+        args.streaming_window, args.optimizer, args.retrieval_loss)
     dist = Distributed.from_env()
     device = _process_device(args.device, dist)
     with dist.joined(device):  # a sharded model is measured by the processes together

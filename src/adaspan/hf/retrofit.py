@@ -78,10 +78,17 @@ def full_attention(model: nn.Module, original: str) -> Iterator[None]:
         model.set_attn_implementation(spans)
 
 
-def span_losses(model: nn.Module, original: str, x: Tensor, config: RetrofitConfig
-                ) -> dict[str, Tensor]:
-    """The terms of the loss on windows ``x``: ``kl`` (nats per token, teacher = the frozen
-    model's own attention), ``nll`` (nats per predicted token), ``penalty`` (lambda/M sum z)."""
+def row_mean(values: Tensor, scored: Tensor) -> Tensor:
+    """The mean over rows of each row's mean over its ``scored`` positions."""
+    weights = scored.to(values.dtype)
+    return ((values * weights).sum(1) / weights.sum(1)).mean()
+
+
+def span_losses(model: nn.Module, original: str, x: Tensor, scored: Tensor,
+                config: RetrofitConfig) -> dict[str, Tensor]:
+    """The terms of the loss on windows ``x``, each a mean over rows of the row's mean over
+    its ``scored`` positions: ``kl`` (nats per token, teacher = the frozen model's own
+    attention), ``nll`` (nats per predicted token); ``penalty`` (lambda/M sum z)."""
 
     losses = {}
     if config.loss in ("distill", "both"):
@@ -89,11 +96,11 @@ def span_losses(model: nn.Module, original: str, x: Tensor, config: RetrofitConf
             teacher = model(input_ids=x, use_cache=False).logits.float().log_softmax(-1)
     logits = model(input_ids=x, use_cache=False).logits.float()
     if config.loss in ("distill", "both"):
-        student = logits.log_softmax(-1).flatten(0, 1)
-        losses["kl"] = F.kl_div(student, teacher.flatten(0, 1), log_target=True,
-                                reduction="batchmean")
+        kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none")
+        losses["kl"] = row_mean(kl.sum(-1), scored)
     if config.loss in ("lm", "both"):
-        losses["nll"] = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")
+        losses["nll"] = row_mean(nll, scored[:, :-1])
     losses["penalty"] = METHODS[config.method].penalty(model, config)
     return losses
 
@@ -169,9 +176,9 @@ class Retrofit:
         (each a mean over as many tokens), so every rank takes the step of the whole batch."""
 
         rows = self.dist.rows(self.config.batch_size)
-        x = self.data.batch(self.step)[rows].to(precision.device)
+        x, scored = (t[rows].to(precision.device) for t in self.data.batch(self.step))
         with precision.applied():
-            losses = span_losses(self.model, self.original, x, self.config)
+            losses = span_losses(self.model, self.original, x, scored, self.config)
         self.optimizer.zero_grad(set_to_none=True)
         sum(losses.values()).backward()
         terms = torch.stack([value.detach().float() for value in losses.values()])

@@ -64,27 +64,33 @@ class TrainData:
                    0)
         return cls(config, tokens, haystack, pad)
 
-    def batch(self, step: int) -> Tensor:
+    def batch(self, step: int) -> tuple[Tensor, Tensor]:
         """The (batch_size, context) token ids of step ``step``: windows of the text, the last
-        ``round(retrieval * batch_size)`` of them replaced by retrieval prompts."""
+        ``round(retrieval * batch_size)`` of them replaced by retrieval prompts; and which
+        positions the loss scores (bool, same shape): every position of a window, of a prompt
+        those that predict its answer (``retrieval_loss="answer"``) or every one (``"all"``)."""
         x = window_batch(self.tokens, self.config, step)
+        scored = torch.ones_like(x, dtype=torch.bool)
         count = round(self.config.retrieval * self.config.batch_size)
         if count:
-            x[-count:] = self.retrieval_rows(step, count)
-        return x
+            x[-count:], scored[-count:] = self.retrieval_rows(step, count)
+        return x, scored
 
-    def retrieval_rows(self, step: int, count: int) -> Tensor:
+    def retrieval_rows(self, step: int, count: int) -> tuple[Tensor, Tensor]:
         """``count`` prompts of the step (a task of ``retrieval_tasks``, a depth uniform in
-        [0, 1], a seed from ``TRAIN_SEEDS`` on), each followed by its values and padded."""
+        [0, 1], a seed from ``TRAIN_SEEDS`` on), each followed by its values and padded; and
+        the positions the loss scores."""
         config, haystack = self.config, self.haystack
         rng = np.random.default_rng([config.seed, step, 1])
         tasks = config.retrieval_tasks.split(",")
-        rows = []
-        for _ in range(count):
+        rows = torch.full((count, config.context), self.pad, dtype=torch.long)
+        scored = torch.full_like(rows, config.retrieval_loss == "all", dtype=torch.bool)
+        for row in range(count):
             task = tasks[int(rng.integers(len(tasks)))]
             sample = make(task, haystack, config.context, float(rng.random()),
                           TRAIN_SEEDS + int(rng.integers(1 << 30)))
             answer = haystack.count_ids(" " + ", ".join(sample.answers) + ".")
-            ids = [*sample.ids, *answer][: config.context]
-            rows.append(ids + [self.pad] * (config.context - len(ids)))
-        return torch.tensor(rows, dtype=torch.long)
+            ids = torch.tensor([*sample.ids, *answer][: config.context], dtype=torch.long)
+            rows[row, : len(ids)] = ids
+            scored[row, len(sample.ids) - 1 : len(ids) - 1] = True  # predicting the answer
+        return rows, scored
