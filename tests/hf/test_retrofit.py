@@ -68,9 +68,12 @@ def test_the_first_step_moves_z_by_the_optimizer_s_rule(model_dir, tmp_path, opt
         torch.testing.assert_close(z, torch.full_like(z, 1 - step))
 
 
-def test_an_unknown_optimizer_is_refused(model_dir, tmp_path):
-    with pytest.raises(ConfigError, match="optimizer must be one of adam, sgd, got 'lbfgs'"):
-        options(model_dir, tmp_path / "out", optimizer="lbfgs")
+@pytest.mark.parametrize(("name", "message"), [
+    ("optimizer", "optimizer must be one of adam, sgd, got 'lbfgs'"),
+    ("retrieval_loss", "retrieval_loss must be one of answer, all, got 'lbfgs'")])
+def test_an_unknown_choice_is_refused(model_dir, tmp_path, name, message):
+    with pytest.raises(ConfigError, match=message):
+        options(model_dir, tmp_path / "out", **{name: "lbfgs"})
 
 
 def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monkeypatch):
