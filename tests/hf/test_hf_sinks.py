@@ -121,3 +121,35 @@ def test_bad_sinks_and_padding_are_refused():
     mask[0, :5] = 0
     with torch.no_grad(), pytest.raises(UserError, match="without padding"):
         model(IDS, attention_mask=mask)
+
+
+def naive_join_indices(lengths, kept, seen, before, after, M):
+    """The rows of [held; new] SpanLayer joins and keeps, one position at a time: per head
+    its sinks (held or new), padding (the head's first new row), its window, its new rows;
+    then the sinks of every head and the last kept positions of each head's block."""
+    H, L = len(lengths), max(lengths)
+    held, width = H * before + sum(lengths), after + L + M
+    spread, sinks, windows, offset = [], [], [], H * before
+    for g, n in enumerate(lengths):
+        first_new = held + g * M
+        spread += [g * before + p if p < before else first_new + p - seen for p in range(after)]
+        spread += [first_new] * (L - n) + list(range(offset, offset + n))
+        spread += range(first_new, first_new + M)
+        sinks += range(g * width, g * width + after)
+        windows += range(g * width + after + max(0, L + M - kept[g]), (g + 1) * width)
+        offset += n
+    return spread, sinks + windows
+
+
+@pytest.mark.parametrize(("kept", "seen", "sinks", "M"), [
+    ((7, 3), 0, 2, 5), ((7, 3), 1, 4, 1), ((7, 3), 5, 2, 1), ((40, 12, 25), 30, 4, 1),
+    ((40, 12, 25), 60, 4, 3), ((9, 9), 2, 0, 1), ((9, 9), 20, 0, 2)])
+def test_span_layer_join_indices_match_the_naive_ones(kept, seen, sinks, M):
+    from adaspan.hf.span_cache import _join_indices
+
+    lengths = tuple(min(n, seen) for n in kept)
+    before, after = min(sinks, seen), min(sinks, seen + M)
+    spread, keep = _join_indices(lengths, list(kept), seen, before, after, M,
+                                 torch.device("cpu"))
+    assert (spread.tolist(), keep.tolist()) == naive_join_indices(
+        lengths, kept, seen, before, after, M)

@@ -117,26 +117,36 @@ class SpanLayer(DynamicSlidingWindowLayer):
         before, after = min(self.sinks, seen), min(self.sinks, seen + M)
         key = (lengths, before, after, M, device)
         if self._index_cache[:1] != (key,):
-            H, L = len(lengths), max(lengths)
-            held, width = H * before + sum(lengths), after + L + M
-            spread, sinks, windows, offset = [], [], [], H * before
-            for g, n in enumerate(lengths):
-                first_new = held + g * M
-                spread += [g * before + p if p < before else first_new + p - seen
-                           for p in range(after)]
-                spread += [first_new] * (L - n) + list(range(offset, offset + n))
-                spread += range(first_new, first_new + M)
-                sinks += range(g * width, g * width + after)
-                windows += range(g * width + after + max(0, L + M - self.kept[g]),
-                                 (g + 1) * width)
-                offset += n
-            self._index_cache = (key, *(torch.tensor(i, device=device)
-                                        for i in (spread, sinks + windows)))
+            self._index_cache = (key, *_join_indices(lengths, self.kept, seen, before, after,
+                                                     M, device))
         return self._index_cache[1:]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise UserError("SpanCache keeps no positions to roll back to (assisted decoding): "
                         "use a DynamicCache")
+
+
+def _join_indices(lengths: tuple[int, ...], kept: list[int], seen: int, before: int,
+                  after: int, M: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """:meth:`SpanLayer._indices` for heads holding ``lengths`` positions of their windows
+    (``kept``) after ``seen``, ``before`` sinks held and ``after`` once the ``M`` new
+    positions are in: a few tensor operations per head, so that a layer whose windows are
+    still filling (its lengths change every token) pays little for them."""
+    H, L = len(lengths), max(lengths)
+    held, width = H * before + sum(lengths), after + L + M
+    spread, keep, offset = [], [], H * before
+    p = torch.arange(after, device=device)
+    for g, n in enumerate(lengths):
+        first_new = held + g * M
+        spread += [torch.where(p < before, g * before + p, first_new + p - seen),
+                   torch.full((L - n,), first_new, device=device),
+                   torch.arange(offset, offset + n, device=device),
+                   torch.arange(first_new, first_new + M, device=device)]
+        keep += [torch.arange(g * width, g * width + after, device=device)]
+        offset += n
+    windows = [torch.arange(g * width + after + max(0, L + M - kept[g]), (g + 1) * width,
+                            device=device) for g in range(H)]
+    return torch.cat(spread), torch.cat(keep + windows)
 
 
 class SpanCache(DynamicCache):
