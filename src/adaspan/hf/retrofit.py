@@ -173,7 +173,8 @@ class Retrofit:
     def train_step(self, precision: Precision) -> dict[str, float]:
         """One optimiser step of z' (then z' clamped to [0, 1]) on this rank's rows of the
         step's windows; the loss terms. The gradients and the terms are averaged over the ranks
-        (each a mean over as many tokens), so every rank takes the step of the whole batch."""
+        (each a mean of as many rows' means), so every rank takes the step of the whole
+        batch."""
 
         rows = self.dist.rows(self.config.batch_size)
         x, scored = (t[rows].to(precision.device) for t in self.data.batch(self.step))
