@@ -27,13 +27,25 @@ from adaspan.hf.support import VERSION
 NEW = 12
 
 
-def spanned(kind: str, sinks: int = 0):
+WINDOWS = [[5, 9, 17, 12], [6, 6, 8, 20]]  # each query head's, per layer
+
+
+INTERLEAVED = [[17, 5, 17, 5], [6, 20, 6, 8]]  # GPT-2's heads of one window not side by side
+
+
+def spanned(kind: str, sinks: int = 0, rows: list[list[int]] = WINDOWS):
     """A tiny model with windows 17 and 20 (key/value heads of windows 9, 17 and 6, 20)."""
     model = add_spans(tiny_hf(kind), max_span=64, ramp=4, sinks=sinks)
-    for span, row in zip(span_modules(model), [[5, 9, 17, 12], [6, 6, 8, 20]], strict=True):
+    for span, row in zip(span_modules(model), rows, strict=True):
         span.set_spans(torch.tensor(row, dtype=torch.float32))
     assert windows(model) == [17, 20]
     return model
+
+
+def kv_windows(kind: str) -> list[list[int]]:
+    """Each key/value head's window: the longest of its query heads' (GPT-2: one each)."""
+    group = 1 if kind == "gpt2" else 2
+    return [[max(row[h:h + group]) for h in range(0, 4, group)] for row in WINDOWS]
 
 
 def greedy(model, cache, prompt, **options):
@@ -62,9 +74,22 @@ def test_static_cache_generates_what_the_span_cache_does(kind, sinks):
         cache = SpanStaticCache(model)
         assert_same(greedy(model, cache, prompt(length)),
                     greedy(model, SpanCache(model), prompt(length)))
-        shapes = [(1, 4 if kind == "gpt2" else 2, sinks + w, 8) for w in (17, 20)]
-        assert [tuple(layer.keys.shape) for layer in cache.layers] == shapes
         assert int(cache.get_seq_length()) == length + NEW - 1
+    rows = [sum(sinks + w for w in heads) for heads in kv_windows(kind)]
+    assert [tuple(layer.keys.shape) for layer in cache.layers] == [(1, 1, n, 8) for n in rows]
+    assert kv_bytes(cache) == 2 * sum(rows) * 8 * 4  # keys and values, float32
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_heads_of_one_window_apart_generate_what_the_span_cache_does(sinks):
+    """Groups of heads not side by side (an index, and the outputs put back in head order)."""
+    model = spanned("gpt2", sinks, INTERLEAVED)
+    for length in (3, 40):
+        cache = SpanStaticCache(model)
+        assert_same(greedy(model, cache, prompt(length)),
+                    greedy(model, SpanCache(model), prompt(length)))
+    assert [[ring.group.members for ring in layer.rings] for layer in cache.layers] == [
+        [(0, 2), (1, 3)], [(0, 2), (1,), (3,)]]
 
 
 def test_buffers_keep_their_shape_and_storage_while_decoding():
@@ -89,21 +114,26 @@ def test_buffers_keep_their_shape_and_storage_while_decoding():
                 assert buffers() == allocated
             cache.reset()
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(expected, 1), atol=1e-5, rtol=0)
-    assert kv_bytes(cache) == 2 * 2 * 2 * (2 + 17 + 2 + 20) * 8 * 4  # rows, k and v, kv heads
+    held = sum(2 + w for heads in kv_windows("llama") for w in heads)  # sinks + each window
+    assert kv_bytes(cache) == 2 * 2 * held * 8 * 4  # rows, keys and values, float32
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
 def test_a_decode_step_writes_its_own_slot_and_nothing_else(sinks):
-    """The window is a ring: position p goes into slot sinks + p mod W; no other key moves."""
+    """Each window is a ring: position p goes into slot sinks + p mod W of each of its heads;
+    no other key moves."""
     model = spanned("llama", sinks)
     cache = SpanStaticCache(model)
     with torch.no_grad():
         model(prompt(30), **cache_argument(model, cache))
         before = [layer.keys.clone() for layer in cache.layers]
         model(prompt(1), **cache_argument(model, cache))
-    for layer, old in zip(cache.layers, before, strict=True):
-        changed = (layer.keys != old).any(dim=(0, 1, 3)).nonzero().flatten().tolist()
-        assert changed == [sinks + 30 % layer.window]
+    for layer, old, heads in zip(cache.layers, before, kv_windows("llama"), strict=True):
+        assert sorted(ring.window for ring in layer.rings) == sorted(heads)
+        for ring in layer.rings:
+            now, then = ring.views(layer.keys, sinks), ring.views(old, sinks)
+            changed = (now != then).any(dim=(0, 3)).nonzero().tolist()
+            assert changed == [[h, sinks + 30 % ring.window] for h in range(ring.heads)]
 
 
 def test_beam_search_reorders_the_buffers_in_place():
@@ -138,10 +168,11 @@ def test_a_step_with_gradients_and_a_rollback_are_refused():
         cache.crop(-1)
 
 
-def test_a_compiled_decode_step_gives_the_eager_logits_without_recompiling():
+@pytest.mark.parametrize(("kind", "rows"), [("llama", WINDOWS), ("gpt2", INTERLEAVED)])
+def test_a_compiled_decode_step_gives_the_eager_logits_without_recompiling(kind, rows):
     """``torch.compile(fullgraph=True)`` with the ``aot_eager`` backend (inductor takes ~25 s
     to compile on 2 CPU cores): one graph for every step, none recompiled."""
-    model = spanned("llama", sinks=2)
+    model = spanned(kind, 2, rows)
     keyword = next(iter(cache_argument(model, None)))
 
     def step(token, cache):

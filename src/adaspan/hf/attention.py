@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import is_torchdynamo_compiling
 
-from ..attention.core import span_attention, span_log_mask
+from ..attention.core import HeadGroup, span_attention, span_log_mask
 from ..attention.sinks import Sinks
 from ..attention.span import AdaptiveSpan, key_window
 from ..errors import UserError
@@ -50,11 +51,27 @@ def attached_spans(model: nn.Module) -> list[AdaptiveSpan]:
     return spans
 
 
+@dataclass(frozen=True)
+class Part:
+    """Keys and values a cache hands the attention for some of the query heads: ``group``'s
+    (None: every head), (B, h, T, d) each; a ``SpanStaticCache`` step's ring offsets (T,)
+    (``key_offsets``), else None (the keys in order, the queries' own last); how many sinks
+    lead and the first query's position (``handed``), else None."""
+
+    group: HeadGroup | None
+    key: Tensor
+    value: Tensor
+    key_offsets: Tensor | None = None
+    handed: tuple[int, int | Tensor] | None = None
+
+
 def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Tensor | None, scaling: float | None = None,
                        dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
     """``AttentionInterface`` function: query (B, Hq, M, d), key and value (B, Hkv, T, d);
-    returns the output (B, M, Hq, d) and no weights."""
+    returns the output (B, M, Hq, d) and no weights. A cache that holds each group of heads
+    apart hands those (``span.parts``: :class:`Part` s and the order putting their query heads
+    back, or None) in place of ``key`` and ``value``."""
     if _probe is not None:  # add_spans is finding the attention modules: plain causal attention
         _probe.append((module, kwargs.get("sliding_window")))
         out = span_attention(query, key, value, None, max_span=key.shape[2], ramp=1.0,
@@ -64,32 +81,58 @@ def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if span is None:
         raise UserError(f"{type(module).__name__} has no span: attach them with "
                         "adaspan.hf.add_spans(model) (or load with adaspan.hf.load_pretrained)")
+    parts, order = span.__dict__.pop("parts", None) or (
+        (Part(None, key, value, handed=span.__dict__.pop("handed", None)),), None)
     log_mask = None if torch.is_grad_enabled() else decode_mask(span, query)
-    key_offsets = _ring(span, log_mask)
-    key_mask = _key_mask(attention_mask, key.shape[2], key_offsets)
-    key, value, sinks = _sinks(span, key, value, query.shape[2], key_mask, kwargs)
-    heads = query.shape[1]
-    out = span_attention(query, key, value, lambda: per_query_head(span(query), heads),
-                         max_span=span.max_span, ramp=span.ramp, scale=scaling, dropout=dropout,
-                         training=module.training,
-                         z_host=lambda: per_query_head(span.host_z(), heads), log_mask=log_mask,
-                         key_mask=key_mask, sinks=sinks, key_offsets=key_offsets)
+    outs = [_attend(module, span, query, part, log_mask, attention_mask, scaling, dropout,
+                    kwargs) for part in parts]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if order is not None:
+        out = out.index_select(1, order)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sinks(span: AdaptiveSpan, key: Tensor, value: Tensor, queries: int,
-           key_mask: Tensor | None, kwargs: dict) -> tuple[Tensor, Tensor, Sinks | None]:
+def _attend(module: nn.Module, span: AdaptiveSpan, query: Tensor, part: Part,
+            log_mask: Tensor | None, attention_mask: Tensor | None, scaling: float | None,
+            dropout: float, kwargs: dict) -> Tensor:
+    """Span attention of ``part``'s query heads over its keys: (B, h, M, d)."""
+    if part.key_offsets is not None and log_mask is None:
+        raise UserError("adaspan.hf.SpanStaticCache decodes without gradients: train with "
+                        "adaspan.hf.SpanCache or no cache")
+    heads, group = query.shape[1], part.group
+    key_mask = _key_mask(attention_mask, part.key.shape[2], part.key_offsets)
+    key, value, sinks = _sinks(span, part, query.shape[2], key_mask, kwargs)
+    every_head = query
+    if group is not None:
+        query = query[:, group.heads]
+        log_mask = None if log_mask is None else log_mask[group.heads]
+
+    def z() -> Tensor:
+        every = per_query_head(span(every_head), heads)
+        return every if group is None else every[:, group.heads]
+
+    def z_host() -> list[float]:
+        every = per_query_head(span.host_z(), heads)
+        return every if group is None else [every[h] for h in group.members]
+
+    return span_attention(query, key, value, z, max_span=span.max_span, ramp=span.ramp,
+                          scale=scaling, dropout=dropout, training=module.training,
+                          z_host=z_host, log_mask=log_mask, key_mask=key_mask, sinks=sinks,
+                          key_offsets=part.key_offsets)
+
+
+def _sinks(span: AdaptiveSpan, part: Part, queries: int, key_mask: Tensor | None,
+           kwargs: dict) -> tuple[Tensor, Tensor, Sinks | None]:
     """The keys and values of the span's sinks apart from the others: the first positions a
-    ``SpanCache`` handed (``span.handed``: how many, and the position of the first query), or
-    the first of every position (a cache that keeps them all, or none)."""
-    n = getattr(span, "sinks", 0)
-    handed = span.__dict__.pop("handed", None)
+    cache handed (``part.handed``: how many, and the position of the first query), or the
+    first of every position (a cache that keeps them all, or none)."""
+    n, key, value = getattr(span, "sinks", 0), part.key, part.value
     if not n:
         return key, value, None
     if key_mask is not None:
         raise UserError("attention sinks take batches without padding")
-    if handed is not None:
-        held, first = handed
+    if part.handed is not None:
+        held, first = part.handed
         sinks = Sinks(key[:, :, :held], value[:, :, :held], first)
         return key[:, :, held:], value[:, :, held:], sinks
     first = key.shape[2] - queries
@@ -98,16 +141,6 @@ def _sinks(span: AdaptiveSpan, key: Tensor, value: Tensor, queries: int,
         raise UserError("attention sinks need every position's key, or adaspan.hf.SpanCache: "
                         "this cache dropped some")
     return key, value, Sinks(key[:, :, :n], value[:, :, :n], first)
-
-
-def _ring(span: AdaptiveSpan, log_mask: Tensor | None) -> Tensor | None:
-    """The offsets of the keys a ``SpanStaticCache`` step handed in its ring's order
-    (``span.key_offsets``), else None; such a step takes no gradients."""
-    offsets = span.__dict__.pop("key_offsets", None)
-    if offsets is not None and log_mask is None:
-        raise UserError("adaspan.hf.SpanStaticCache decodes without gradients: train with "
-                        "adaspan.hf.SpanCache or no cache")
-    return offsets
 
 
 def _key_mask(attention_mask: Tensor | None, keys: int, offsets: Tensor | None = None
