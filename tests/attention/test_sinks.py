@@ -58,7 +58,8 @@ def test_band_with_sinks_agrees_with_the_reference(Hq, Hkv, M, T, origin, n):
 @pytest.mark.parametrize("Hq,Hkv,M,T", [(8, 2, 1, 50), (4, 4, 3, 60), (4, 1, 2, 7)])
 def test_sinks_and_the_spans_window_alone_give_every_keys_output(Hq, Hkv, M, T, origin):
     """Band and decode given only the sinks and the last keys of the longest window (what a
-    cache of the spans holds) equal the reference over every key."""
+    cache of the spans holds) equal the reference over every key; decode too where the sinks
+    and those keys are handed joined (as a cache's buffer holds them)."""
     q, k, v, z = (t.detach() for t in _case(Hq, Hkv, M, T))
     host = z.flatten().tolist()
     W = key_window(max(host), S, R)
@@ -73,6 +74,17 @@ def test_sinks_and_the_spans_window_alone_give_every_keys_output(Hq, Hkv, M, T, 
                                  sinks=sinks, log_mask=log_mask, backend=backend)
             torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5,
                                        msg=backend)
+        joined = [torch.cat([held_sinks, keys], dim=2)
+                  for held_sinks, keys in zip((sinks.k, sinks.v), recent, strict=True)]
+        given = Sinks(sinks.k, sinks.v, sinks.first, joined=tuple(joined))
+        out = span_attention(q, *recent, z, max_span=S, ramp=R, origin=origin, sinks=given,
+                             log_mask=log_mask, backend="decode")
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+        joined[1] = torch.zeros_like(joined[1])  # read, not joined anew: the output moves
+        out = span_attention(q, *recent, z, max_span=S, ramp=R, origin=origin, log_mask=log_mask,
+                             sinks=Sinks(sinks.k, sinks.v, sinks.first, joined=tuple(joined)),
+                             backend="decode")
+        assert out.abs().max() < 1e-6
 
 
 @pytest.mark.parametrize("origin", [0, 1])

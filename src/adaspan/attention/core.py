@@ -381,7 +381,8 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, log_mask: Tensor, origin: int,
         offsets = sinks.offsets(M, q.device)
         front = sink_part.decode_logits(log_mask, offsets, origin).to(mask.dtype)
         mask = torch.cat([front.expand(B, Hq, M, -1), mask], dim=-1)
-        keys, values = torch.cat([sinks.k, keys], dim=2), torch.cat([sinks.v, values], dim=2)
+        keys, values = (sinks.joined if sinks.joined is not None and n == T else
+                        (torch.cat([sinks.k, keys], dim=2), torch.cat([sinks.v, values], dim=2)))
         n += sinks.k.shape[2]
     keys, values = (t.reshape(B * Hkv, n, d) for t in (keys, values))
     scores = torch.baddbmm(mask.reshape(B * Hkv, rows, n), q.reshape(B * Hkv, rows, d),

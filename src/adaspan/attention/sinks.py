@@ -24,11 +24,15 @@ from .span import soft_mask
 class Sinks:
     """The keys and values (B, Hkv, n, d) of the sequence's first n positions, and the position
     of the first query (``first``; a sink j sits ``first + i - j`` positions behind query i; a
-    tensor of no dimension where a compiled step must not read it)."""
+    tensor of no dimension where a compiled step must not read it). ``joined``: the keys and
+    values (B, Hkv, n + T, d) of the sinks followed by the call's T keys, where the caller
+    holds them so (a cache's buffer), which the decode backend reads instead of joining them
+    anew when it reads every key."""
 
     k: Tensor
     v: Tensor
     first: int | Tensor
+    joined: tuple[Tensor, Tensor] | None = None
 
     def offsets(self, queries: int, device: torch.device) -> Tensor:
         """(M, n) offsets of each sink behind each query."""

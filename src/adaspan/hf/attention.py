@@ -133,7 +133,7 @@ def _sinks(span: AdaptiveSpan, part: Part, queries: int, key_mask: Tensor | None
         raise UserError("attention sinks take batches without padding")
     if part.handed is not None:
         held, first = part.handed
-        sinks = Sinks(key[:, :, :held], value[:, :, :held], first)
+        sinks = Sinks(key[:, :, :held], value[:, :, :held], first, joined=(key, value))
         return key[:, :, held:], value[:, :, held:], sinks
     first = key.shape[2] - queries
     positions = kwargs.get("position_ids")
