@@ -83,46 +83,54 @@ class SpanStaticLayer(StaticLayer):
             torch._dynamo.mark_static_address(self.cumulative_length)
 
     def _rings(self) -> list[Ring]:
-        """The groups of key/value heads of one window, in the order of their first head."""
-        G = self.group_size
+        """The groups of key/value heads of one window, in the order of their first head; each
+        key/value head's first row and window (``first_rows``, ``head_windows``: (Hkv,))."""
+        G, first = self.group_size, {}
         self.layout = HeadLayout.of([w for w in self.kv_windows for _ in range(G)],
                                     self.device, G)
         rings, start = [], 0
         for group in self.layout.groups:
             kv = [h // G for h in group.members[::G]]
+            first.update({h: start + i * (self.sinks + group.window) for i, h in enumerate(kv)})
             rings.append(Ring(group, head_index(kv, self.device), start, len(kv),
                               torch.arange(group.window, device=self.device)))
             start += len(kv) * (self.sinks + group.window)
+        self.first_rows = torch.tensor([first[h] for h in range(len(first))], device=self.device)
+        self.head_windows = torch.tensor(self.kv_windows, device=self.device)
         return rings
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
-        step = key_states.shape[-2] == 1
-        parts = [(self._step if step else self._prefill)(ring, key_states[:, ring.kv],
-                                                         value_states[:, ring.kv])
-                 for ring in self.rings]
+        if key_states.shape[-2] == 1:
+            parts = self._step(key_states, value_states)
+        else:
+            parts = [self._prefill(ring, key_states[:, ring.kv], value_states[:, ring.kv])
+                     for ring in self.rings]
         self.cumulative_length.add_(key_states.shape[-2])
         self.span.parts = (tuple(parts), self.layout.order)
         return self.keys, self.values
 
-    def _step(self, ring: Ring, key_states: Tensor, value_states: Tensor) -> Part:
-        """One token at position p (a tensor): its key and value into slot k + p mod W of the
-        ring's heads, their buffers handed with each slot's offset."""
-        p, k, W = self.cumulative_length.clone(), self.sinks, ring.window
-        slot = (k + p % W).view(1)
-        pairs = [(ring.views(buffer, k), new)
-                 for buffer, new in ((self.keys, key_states), (self.values, value_states))]
-        for buffer, new in pairs:
-            buffer.index_copy_(2, slot, new)
+    def _step(self, key_states: Tensor, value_states: Tensor) -> list[Part]:
+        """One token at position p (a tensor): each head's key and value into its slot
+        k + p mod W, every head by one ``index_copy_`` of the layer's buffer (in place, also
+        compiled); each ring's buffers handed with each slot's offset."""
+        p, k = self.cumulative_length.clone(), self.sinks
+        slots = k + p % self.head_windows
+        rows = [self.first_rows + slots]
         if k:  # while p < k, its sink slot too (past the sinks, its own slot again)
-            sink = torch.where(p < k, p.view(1), slot)
-            for buffer, new in pairs:
-                buffer.index_copy_(2, sink, new)
-        offsets = (p - ring.slots) % W
-        return Part(ring.group, pairs[0][0], pairs[1][0],
-                    offsets.masked_fill(offsets > p, self.window), (k, p) if k else None)
+            rows.append(self.first_rows + torch.where(p < k, p, slots))
+        for buffer, new in ((self.keys, key_states), (self.values, value_states)):
+            for index in rows:
+                buffer.index_copy_(2, index, new.transpose(1, 2))
+        parts = []
+        for ring in self.rings:
+            offsets = (p - ring.slots) % ring.window
+            parts.append(Part(ring.group, ring.views(self.keys, k), ring.views(self.values, k),
+                              offsets.masked_fill(offsets > p, self.window),
+                              (k, p) if k else None))
+        return parts
 
     def _prefill(self, ring: Ring, key_states: Tensor, value_states: Tensor) -> Part:
         """M tokens after ``seen`` (read from the device): the sinks, the last W - 1 positions
