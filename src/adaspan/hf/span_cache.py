@@ -43,6 +43,12 @@ def head_windows(model: nn.Module) -> list[list[int]]:
     return [per_query_head(span.windows(None), heads) for span in attached_spans(model)]
 
 
+def kv_head_windows(query_windows: list[int], kv_heads: int) -> list[int]:
+    """Each key/value head's window: the longest of its query heads' ``query_windows``."""
+    group = len(query_windows) // kv_heads
+    return [max(query_windows[h * group:(h + 1) * group]) for h in range(kv_heads)]
+
+
 def windows(model: nn.Module) -> list[int]:
     """Keys each layer needs: its longest :func:`head_windows`."""
     return [max(heads) for heads in head_windows(model)]
@@ -76,9 +82,7 @@ class SpanLayer(DynamicSlidingWindowLayer):
                             ) -> None:
         super().lazy_initialization(*layer_states(key_states, value_states))
         kv_heads = key_states.shape[1]
-        group = len(self.query_windows) // kv_heads
-        self.kept = [max(self.query_windows[g * group:(g + 1) * group]) - 1
-                     for g in range(kv_heads)]
+        self.kept = [w - 1 for w in kv_head_windows(self.query_windows, kv_heads)]
         longest = max(self.kept)
         self.padded = (not self.sinks
                        and 0 < kv_heads * longest <= (1 + PADDED_WASTE) * sum(self.kept))

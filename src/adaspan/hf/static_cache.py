@@ -28,7 +28,7 @@ from ..attention.core import HeadGroup, HeadLayout, head_index
 from ..errors import UserError
 from .attention import Part, attached_spans
 from .budget import head_dim
-from .span_cache import head_windows
+from .span_cache import head_windows, kv_head_windows
 from .spans import key_value_heads
 from .support import RELATIVE_MASKS, layer_states, query_length
 
@@ -66,8 +66,7 @@ class SpanStaticLayer(StaticLayer):
 
     def __init__(self, query_windows: list[int], kv_heads: int, span: nn.Module) -> None:
         self.group_size = len(query_windows) // kv_heads
-        self.kv_windows = [max(query_windows[h * self.group_size:(h + 1) * self.group_size])
-                           for h in range(kv_heads)]
+        self.kv_windows = kv_head_windows(query_windows, kv_heads)
         self.window, self.span, self.sinks = max(query_windows), span, getattr(span, "sinks", 0)
         super().__init__(max_cache_len=sum(self.sinks + w for w in self.kv_windows))
         self.cumulative_length = torch.tensor(0)  # positions seen (StaticLayer's before 5.4: none)
@@ -77,14 +76,15 @@ class SpanStaticLayer(StaticLayer):
         flat = [t.new_zeros(t.shape[0], 1, 0, t.shape[-1])
                 for t in (key_states, key_states if value_states is None else value_states)]
         super().lazy_initialization(*layer_states(*flat))
-        self.rings = self._rings()
+        self._arrange()
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not is_torchdynamo_compiling():
             torch._dynamo.mark_static_address(self.cumulative_length)
 
-    def _rings(self) -> list[Ring]:
-        """The groups of key/value heads of one window, in the order of their first head; each
-        key/value head's first row and window (``first_rows``, ``head_windows``: (Hkv,))."""
+    def _arrange(self) -> None:
+        """The groups of key/value heads of one window (``rings``, in the order of their first
+        head; ``layout``), and each key/value head's first row and window (``first_rows``,
+        ``head_windows``: (Hkv,))."""
         G, first = self.group_size, {}
         self.layout = HeadLayout.of([w for w in self.kv_windows for _ in range(G)],
                                     self.device, G)
@@ -97,7 +97,7 @@ class SpanStaticLayer(StaticLayer):
             start += len(kv) * (self.sinks + group.window)
         self.first_rows = torch.tensor([first[h] for h in range(len(first))], device=self.device)
         self.head_windows = torch.tensor(self.kv_windows, device=self.device)
-        return rings
+        self.rings = rings
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
