@@ -17,7 +17,8 @@ retrieval at one cache budget, side by side on one model, and print the comparis
 
 Output: ``--out`` holds each run (``spans/``, ``duo/``, ``eval-POLICY/`` with the heatmaps) and
 ``retrieval_budget.json``: per policy the mean accuracy per task and length, the bytes held,
-and the spans' retrofit report (held-out bits per byte, decode speed).
+the prompts it lost and gained against full attention on the same prompts with the sign test's
+p (``against_full``), and the spans' retrofit report (held-out bits per byte, decode speed).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from adaspan.cli import main as adaspan
 from adaspan.config import RETRIEVAL_LOSSES, RETROFIT_OPTIMIZERS, RetrofitConfig
+from adaspan.hf.longeval import paired
 
 POLICIES = ("full", "spans", "streaming", "duo", "snapkv")
 
@@ -104,12 +106,15 @@ def longeval(args: argparse.Namespace, model: Path, cache: str, name: str) -> di
                "--threads", str(args.threads))
 
 
-def summary(result: dict) -> dict:
-    """Per task and length the mean accuracy over depths; per length the bytes held."""
+def summary(result: dict, full: dict) -> dict:
+    """Per task and length the mean accuracy over depths; per length the bytes held; per task
+    and length the prompts lost and gained against full attention on the same prompts."""
+    against = {} if result is full else {"against_full": paired(full["prompts"],
+                                                                result["prompts"])}
     return {"accuracy": {task: {n: cell["mean"] for n, cell in lengths.items()}
                          for task, lengths in result["results"].items()},
             "kv_bytes": {n: cell["kv_bytes"] for n, cell in result["mean"].items()},
-            "mean": {n: cell["accuracy"] for n, cell in result["mean"].items()}}
+            "mean": {n: cell["accuracy"] for n, cell in result["mean"].items()}, **against}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -129,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": str(args.model_dir), "budget_bytes": budget, "at_length": longest,
               "options": {k: str(v) for k, v in vars(args).items()},
               "retrofit": {k: report.get(k) for k in ("spans", "heldout", "cache")},
-              "policies": {name: {"cache": evaluated[name]["cache"], **summary(evaluated[name])}
+              "policies": {name: {"cache": evaluated[name]["cache"],
+                                  **summary(evaluated[name], evaluated["full"])}
                            for name in POLICIES}}
     (args.out / "retrieval_budget.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

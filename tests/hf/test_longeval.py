@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import html
+import itertools
 import json
 import math
 import re
@@ -18,6 +19,7 @@ import torch
 from transformers import ByT5Tokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from adaspan.cli import main
+from adaspan.errors import UserError
 from adaspan.hf import add_spans, head_windows, load_pretrained, save_model
 from adaspan.hf import cache_policies as cp
 from adaspan.hf import longeval as le
@@ -177,6 +179,43 @@ def test_scores_of_right_wrong_and_partial_answers(plain_dir, monkeypatch):
         task: float(task != "multi_value") for task in TASKS}
     assert summary["mean"]["600"] == {"accuracy": 0.8, "kv_bytes": 7}
     assert math.isclose(sum(r["correct"] for r in records), 4 * 2 * 2)
+
+
+def test_sign_test_against_every_split_enumerated():
+    """p is the share of the 2^n equally likely splits of n discordant prompts at least as
+    uneven as the one seen (counted one by one), and 1 when none differ."""
+    for lost, gained in [(0, 0), (3, 0), (0, 10), (2, 5), (4, 4), (1, 6), (7, 2)]:
+        n, seen = lost + gained, abs(lost - gained)
+        uneven = sum(abs(2 * sum(bits) - n) >= seen
+                     for bits in itertools.product((0, 1), repeat=n))
+        assert math.isclose(le.sign_test(lost, gained), uneven / 2 ** n)
+    assert le.sign_test(3, 0) == 0.25
+
+
+def test_paired_counts_prompts_lost_and_gained_on_the_same_prompts():
+    """Matched by task, length, depth, sample and answer: a prompt right in the reference and
+    wrong in the other is lost, the reverse gained; different prompts are refused."""
+    def record(task, length, depth, sample, correct):
+        return {"task": task, "length": length, "depth": depth, "sample": sample,
+                "answers": [f"{task}{sample}{depth}"], "correct": correct}
+
+    cells = list(itertools.product(("passkey", "single_needle"), (512, 1024), (0.0, 1.0),
+                                   range(5)))
+    full = [record(*c, correct=c[3] != 4) for c in cells]
+    lose = {("passkey", 1024, 0.0, 0), ("passkey", 1024, 1.0, 1), ("passkey", 1024, 1.0, 2)}
+    other = [record(*c, correct=(c[:4] not in lose and c[3] != 4) or c[:4] ==
+                    ("single_needle", 512, 0.0, 4)) for c in reversed(cells)]
+    result = le.paired(full, other)
+    assert result["passkey"]["1024"] == {"prompts": 10, "lost": 3, "gained": 0,
+                                         "difference": -0.3, "p": 0.25}
+    assert result["single_needle"]["512"] == {"prompts": 10, "lost": 0, "gained": 1,
+                                              "difference": 0.1, "p": 1.0}
+    assert result["passkey"]["512"]["lost"] == result["passkey"]["512"]["gained"] == 0
+    with pytest.raises(UserError, match="same prompts"):
+        le.paired(full, other[1:])
+    moved = [dict(r, answers=["other"]) if r is other[0] else r for r in other]
+    with pytest.raises(UserError, match="same prompts"):
+        le.paired(full, moved)
 
 
 # --------------------------------------------------------------------------- adaspan report

@@ -171,6 +171,13 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
         assert result["policies"][name]["kv_bytes"]["400"] <= budget, name
     assert result["policies"]["spans"]["kv_bytes"]["400"] == budget
     assert set(result["policies"]["spans"]["accuracy"]) == {"passkey", "single_needle"}
+    assert "against_full" not in result["policies"]["full"]
+    for name in ("spans", "streaming", "duo", "snapkv"):  # the same 2 prompts as full's
+        policy = result["policies"][name]
+        for task, cell in ((t, c["400"]) for t, c in policy["against_full"].items()):
+            assert cell["prompts"] == 1
+            assert cell["difference"] == policy["accuracy"][task]["400"] - \
+                result["policies"]["full"]["accuracy"][task]["400"]
     settings = {method: json.loads((tmp_path / "cmp" / method / "retrofit_settings.json")
                                    .read_text()) for method in ("spans", "duo")}
     assert (settings["spans"]["optimizer"], settings["spans"]["lr"]) == ("sgd", 0.5)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -155,6 +156,39 @@ def summarise(records: list[dict], grid: Grid) -> dict:
         "kv_bytes": round(statistics.fmean(r["kv_bytes"] for r in records if r["length"] == n))}
         for n in grid.lengths}
     return {"results": tasks, "mean": lengths}
+
+
+def sign_test(lost: int, gained: int) -> float:
+    """The exact two-sided sign test (McNemar's) of the prompts one policy lost against those
+    it gained: the chance of a split at least this uneven were each as likely as the other."""
+    n = lost + gained
+    tail = sum(math.comb(n, k) for k in range(min(lost, gained) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired(reference: list[dict], other: list[dict]) -> dict:
+    """Per task and length, ``other``'s prompt records (``prompts`` of :func:`longeval`)
+    against the same prompts of ``reference``: the prompts, those ``other`` lost (right in
+    ``reference``, wrong in it) and gained, the difference of their accuracies, and the
+    sign test's p (:func:`sign_test`). Both must have scored the same prompts."""
+    def key(r: dict) -> tuple:
+        return r["task"], r["length"], r["depth"], r["sample"], tuple(r["answers"])
+
+    theirs = {key(r): r["correct"] for r in other}
+    if len(theirs) != len(other) or sorted(theirs) != sorted(key(r) for r in reference):
+        raise UserError("the two evaluations did not score the same prompts (their tasks, "
+                        "lengths, depths, samples or seeds differ)")
+    cells: dict = {}
+    for r in reference:
+        cell = cells.setdefault(r["task"], {}).setdefault(
+            str(r["length"]), {"prompts": 0, "lost": 0, "gained": 0})
+        cell["prompts"] += 1
+        cell["lost"] += r["correct"] and not theirs[key(r)]
+        cell["gained"] += theirs[key(r)] and not r["correct"]
+    for cell in (c for lengths in cells.values() for c in lengths.values()):
+        cell["difference"] = (cell["gained"] - cell["lost"]) / cell["prompts"]
+        cell["p"] = sign_test(cell["lost"], cell["gained"])
+    return cells
 
 
 def longeval(model_dir: Path, haystack: str, grid: Grid, cache: str, precision: Precision,
