@@ -1,8 +1,8 @@
 """What ``adaspan retrofit`` trains, by name (``RetrofitConfig.method``): the pieces the
 training loop calls, registered where each method is defined. ``spans`` (here): an adaptive
 span per head (or per key/value head), the penalty lambda / M sum z or, per byte, ln 2 lambda
-times the bytes of the windows min(S, z + R) the spans hold
-(:func:`adaspan.hf.budget.cache_loss`); ``duo``: DuoAttention's gates (:mod:`adaspan.hf.duo`).
+times the bytes of cache the spans hold (their windows min(S, z + R)) (:func:`adaspan.hf.budget.cache_loss`); ``duo``:
+DuoAttention's gates (:mod:`adaspan.hf.duo`).
 """
 
 from __future__ import annotations
