@@ -101,17 +101,6 @@ def test_spans_with_sinks_and_a_penalty_per_byte(model_dir, tmp_path):
     assert any((p < 1).any() for p in span_parameters(run.model))
 
 
-@pytest.mark.parametrize("penalty", ["head", "byte"])
-def test_spans_start_where_the_penalty_pulls(model_dir, tmp_path, penalty):
-    config = options(model_dir, tmp_path, penalty=penalty, ramp=16, span_loss=1e-3)
-    model, _ = load_frozen(str(model_dir))
-    METHODS["spans"].attach(model, config)
-    want = config.span_limit - (16 if penalty == "byte" else 0)  # per byte: window S, z = S - R
-    assert all(s.z().tolist() == pytest.approx([want] * s.n_heads) for s in span_modules(model))
-    span_penalty(model, config).backward()
-    assert all((p.grad > 0).all() for p in span_parameters(model))
-
-
 def test_a_resumed_run_given_more_steps_is_one_run_of_as_many(model_dir, tmp_path):
     whole = retrofit(options(model_dir, tmp_path / "whole"), FP32, progress=False)
     retrofit(options(model_dir, tmp_path / "parts", steps=3), FP32, progress=False)

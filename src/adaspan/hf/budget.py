@@ -51,16 +51,14 @@ def span_cache_bytes(model: nn.Module, context: int, element_size: int) -> int:
 
 def cache_loss(model: nn.Module, bits_per_byte: float, element_size: int = 2) -> Tensor:
     """A span penalty in nats whose coefficient is bits of loss per byte of cache:
-    ln 2 * ``bits_per_byte`` * the bytes of the window min(S, z + R) each key/value head
-    holds, z of the longest span among the query heads it serves, in every layer (keys and
-    values of ``element_size`` bytes: 2 for bf16; the sinks, a constant, left out). A span
-    whose ramp reaches S already holds every position: going on to z = S costs no byte, so
-    the penalty no longer pulls it back. Added to a loss in nats, minimising the sum trades
+    ln 2 * ``bits_per_byte`` * the bytes the spans make each key/value head hold, z of the
+    longest span among the query heads it serves, in every layer (keys and values of
+    ``element_size`` bytes: 2 for bf16). Added to a loss in nats, minimising the sum trades
     ``bits_per_byte`` bits of loss per token for each byte of cache."""
     config = model.config
     kv, per_position = key_value_heads(config), position_bytes(config, element_size)
     positions = []
     for span in attached_spans(model):
-        window = (span.z() + span.ramp).clamp(max=span.max_span)
-        positions.append(window.view(kv, -1).amax(dim=1).sum())
+        z = span.z()
+        positions.append(z.view(kv, -1).amax(dim=1).sum() if z.numel() > kv else z.sum())
     return math.log(2) * bits_per_byte * per_position * torch.stack(positions).sum()

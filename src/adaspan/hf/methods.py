@@ -1,7 +1,7 @@
 """What ``adaspan retrofit`` trains, by name (``RetrofitConfig.method``): the pieces the
 training loop calls, registered where each method is defined. ``spans`` (here): an adaptive
 span per head (or per key/value head), the penalty lambda / M sum z or, per byte, ln 2 lambda
-times the bytes of cache the spans hold (their windows min(S, z + R)) (:func:`adaspan.hf.budget.cache_loss`); ``duo``:
+times the bytes of cache the spans hold (:func:`adaspan.hf.budget.cache_loss`); ``duo``:
 DuoAttention's gates (:mod:`adaspan.hf.duo`).
 """
 
@@ -46,12 +46,8 @@ def register_method(name: str, method: Method) -> None:
 
 
 def attach_spans(model: nn.Module, config: RetrofitConfig) -> None:
-    """The spans of ``config`` attached to ``model`` at z' = 1 (the model unchanged); with the
-    penalty per byte at z = S - R, the longest z whose window is not past S (below it the
-    penalty has a gradient: the model unchanged up to S - R keys)."""
-    limit = config.span_limit
-    init = max(0.0, 1.0 - config.ramp / limit) if config.penalty == "byte" else 1.0
-    add_spans(model, limit, config.ramp, init=init, per_kv_head=config.per_kv_head,
+    """The spans of ``config`` attached to ``model`` at z' = 1 (the model unchanged)."""
+    add_spans(model, config.span_limit, config.ramp, init=1.0, per_kv_head=config.per_kv_head,
               sinks=config.sinks)
 
 
