@@ -161,6 +161,31 @@ def test_a_registered_policy_is_one_call(plain_dir, monkeypatch):
     assert {implementation for _, implementation in calls} == {"eager"}
 
 
+def test_spans_with_whole_layers(spans_dir, plain_dir):
+    grid = le.Grid(("passkey", "single_needle"), (600,), (0.0, 1.0), samples=1)
+    full = le.longeval(plain_dir, "kjv", grid, "full", FP32, progress=False)  # same weights
+    whole = le.longeval(spans_dir, "kjv", grid, "spans:full_layers=1+0", FP32, progress=False)
+    one = le.longeval(spans_dir, "kjv", grid, "spans:full_layers=1", FP32, progress=False)
+    assert whole["cache"] == "spans:full_layers=1+0"
+    window = max(head_windows(load_pretrained(spans_dir))[0])
+    for a, b, c in zip(whole["prompts"], full["prompts"], one["prompts"], strict=True):
+        assert a["output"] == b["output"] and a["kv_bytes"] == b["kv_bytes"]  # the model's own
+        assert c["kv_bytes"] == 2 * KV_HEADS * (a["tokens"] + window - 1) * D_HEAD * 4
+
+
+def test_whole_layers_are_put_back_and_bad_ones_refused(spans_dir):
+    model = load_pretrained(spans_dir)
+    learned = [z.tolist() for z in (span.z() for span in cp.span_modules(model))]
+    policy = cp.build_policy("spans:full_layers=0", model)
+    with policy.applied(100):
+        assert cp.span_modules(model)[0].z().tolist() == [POSITIONS] * 4
+        assert cp.span_modules(model)[1].z().tolist() == learned[1]
+    assert [span.z().tolist() for span in cp.span_modules(model)] == learned
+    for bad in ("2", "a", "0+-1"):
+        with pytest.raises(UserError, match="full_layers"):
+            cp.build_policy(f"spans:full_layers={bad}", model)
+
+
 def test_scores_of_right_wrong_and_partial_answers(plain_dir, monkeypatch):
     """Every answer given in full scores 1; multi_value's first value alone scores 0."""
     model, tokenizer = le.load_model_dir(plain_dir, torch.device("cpu"))

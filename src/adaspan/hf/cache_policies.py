@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
@@ -53,16 +54,43 @@ class FullPolicy(CachePolicy):
 
 
 class SpansPolicy(CachePolicy):
-    """``adaspan.hf.SpanCache``: per key/value head, the positions its spans can see."""
+    """``adaspan.hf.SpanCache``: per key/value head, the positions its spans can see. With
+    ``full_layers`` (layer numbers joined by ``+``, e.g. ``spans:full_layers=0+2``) the spans
+    of those layers are set to z = S for each prompt and put back after it: which layers' spans
+    cost an answer, and what keeping them whole would hold."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, full_layers: str = "") -> None:
         if not span_modules(model):
             raise UserError("cache policy 'spans' needs a model with spans: a directory with "
                             f"{SETTINGS_FILE} (adaspan retrofit writes one)")
         super().__init__(model)
+        self.full_layers = layer_numbers(full_layers, len(span_modules(model)))
 
     def cache(self, prompt_tokens: int) -> Cache:
         return SpanCache(self.model)
+
+    @contextmanager
+    def applied(self, prompt_tokens: int) -> Iterator[Cache]:
+        spans = [span_modules(self.model)[layer] for layer in self.full_layers]
+        learned = [span.z_frac.detach().clone() for span in spans]
+        with torch.no_grad():
+            for span in spans:
+                span.z_frac.fill_(1.0)
+        try:
+            yield self.cache(prompt_tokens)
+        finally:
+            with torch.no_grad():
+                for span, z_frac in zip(spans, learned, strict=True):
+                    span.z_frac.copy_(z_frac)
+
+
+def layer_numbers(text: str, layers: int) -> list[int]:
+    """The layer numbers of ``text`` (``0+2``), each in [0, ``layers``); else a UserError."""
+    parts = [part for part in text.split("+") if part]
+    if not all(part.isdigit() and int(part) < layers for part in parts):
+        raise UserError(f"full_layers are layer numbers in [0, {layers}) joined by '+', got "
+                        f"{text!r}")
+    return sorted({int(part) for part in parts})
 
 
 POLICIES: dict[str, Callable[..., CachePolicy]] = {}
