@@ -64,33 +64,45 @@ class SpansPolicy(CachePolicy):
             raise UserError("cache policy 'spans' needs a model with spans: a directory with "
                             f"{SETTINGS_FILE} (adaspan retrofit writes one)")
         super().__init__(model)
-        self.full_layers = layer_numbers(full_layers, len(span_modules(model)))
+        spans = span_modules(model)
+        self.whole = [spans[layer] for layer in layer_numbers(full_layers, len(spans))]
 
     def cache(self, prompt_tokens: int) -> Cache:
         return SpanCache(self.model)
 
     @contextmanager
     def applied(self, prompt_tokens: int) -> Iterator[Cache]:
-        spans = [span_modules(self.model)[layer] for layer in self.full_layers]
-        learned = [span.z_frac.detach().clone() for span in spans]
+        learned = [span.z_frac.detach().clone() for span in self.whole]
         with torch.no_grad():
-            for span in spans:
+            for span in self.whole:
                 span.z_frac.fill_(1.0)
         try:
             yield self.cache(prompt_tokens)
         finally:
             with torch.no_grad():
-                for span, z_frac in zip(spans, learned, strict=True):
+                for span, z_frac in zip(self.whole, learned, strict=True):
                     span.z_frac.copy_(z_frac)
+
+
+def whole_option(policy: str, name: str, value: str | int, least: int,
+                 most: int | None = None) -> int:
+    """Option ``name`` of a cache policy as a whole number of at least ``least`` (and at most
+    ``most``), else a one-line ``UserError``."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = least - 1
+    if number < least or (most is not None and number > most):
+        bounds = f"of at least {least}" if most is None else f"in [{least}, {most}]"
+        raise UserError(f"cache policy {policy!r}: {name} is a whole number {bounds}, got "
+                        f"{value!r}")
+    return number
 
 
 def layer_numbers(text: str, layers: int) -> list[int]:
     """The layer numbers of ``text`` (``0+2``), each in [0, ``layers``); else a UserError."""
     parts = [part for part in text.split("+") if part]
-    if not all(part.isdigit() and int(part) < layers for part in parts):
-        raise UserError(f"full_layers are layer numbers in [0, {layers}) joined by '+', got "
-                        f"{text!r}")
-    return sorted({int(part) for part in parts})
+    return sorted({whole_option("spans", "full_layers", part, 0, layers - 1) for part in parts})
 
 
 POLICIES: dict[str, Callable[..., CachePolicy]] = {}

@@ -31,11 +31,11 @@ from ..attention.sinks import Sinks
 from ..config import RetrofitConfig
 from ..errors import UserError, one_line
 from .budget import position_bytes
-from .cache_policies import CachePolicy, register_policy
+from .cache_policies import CachePolicy, register_policy, whole_option
 from .methods import Method, register_method
 from .span_cache import SpanCache
 from .spans import attention_modules, key_value_heads
-from .streaming import hard_windows, whole_option
+from .streaming import hard_windows
 
 NAME = "duo"  # the attention implementation and the attribute of each attention module
 GATES_FILE = "duo_gates.json"

@@ -22,7 +22,7 @@ from ..attention.span import AdaptiveSpan
 from ..errors import UserError
 from .attention import NAME, span_modules
 from .budget import position_bytes
-from .cache_policies import CachePolicy, register_policy
+from .cache_policies import CachePolicy, register_policy, whole_option
 from .span_cache import SpanCache
 from .spans import add_spans, key_value_heads
 
@@ -141,19 +141,6 @@ class StreamingPolicy(CachePolicy):
     def applied(self, prompt_tokens: int) -> Iterator[SpanCache]:
         with hard_windows(self.model, streaming_windows(self.model, self.window), self.sinks):
             yield SpanCache(self.model)
-
-
-def whole_option(policy: str, name: str, value: str | int, least: int) -> int:
-    """Option ``name`` of a cache policy as a whole number of at least ``least``, else a
-    one-line ``UserError``."""
-    try:
-        number = int(value)
-    except ValueError:
-        number = least - 1
-    if number < least:
-        raise UserError(f"cache policy {policy!r}: {name} is a whole number of at least "
-                        f"{least}, got {value!r}")
-    return number
 
 
 register_policy("streaming", StreamingPolicy)
