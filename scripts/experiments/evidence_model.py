@@ -15,12 +15,14 @@ schedule each):
 4. ``longest``: again, at the longest two of them, with more retrieval.
 5. ``final``: retrieval prompts at every length of the evaluation (``--eval-lengths``), at a
    third of the learning rate.
+6. ``far``: the same at ``--long-lengths``, half of the prompts with their needle in the
+   first tenth of the haystack (``--far``), where the distance to the question is greatest.
 
 Then full attention is scored on pass key and single needle at ``--eval-lengths`` × ``--depths``
 × ``--samples`` with the haystacks of each of ``--haystacks``: by default the test split of
 ``--data`` (the same kind of text, never read in training) and the bundled KJV (another kind,
 with verse numbers among its words); the evaluation's seeds differ from training's too.
-``--out`` holds each stage's model (``copy/`` ... ``final/``; a stage already saved is kept),
+``--out`` holds each stage's model (``copy/`` ... ``far/``; a stage already saved is kept),
 each evaluation (``eval-test/``, ``eval-kjv/``, with the heatmaps) and ``evidence.json``: each
 stage's options, steps, seconds and held-out bits per byte, and per haystack the accuracy per
 task and length (the mean over depths) and the least of any length and depth.
@@ -58,8 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", type=Path, required=True)
     add("--context", type=int, default=4096, help="the model's positions")
     add("--shape", default="3,128,4,2,344", help="layers,width,heads,kv_heads,d_ff")
-    add("--steps", default="2000,2000,1500,2500,1500",
-        help="steps of the stages copy,short,long,longest,final")
+    add("--steps", default="2000,2000,1500,2500,1500,1000",
+        help="steps of the stages copy,short,long,longest,final,far (a stage of 0 steps, or "
+        "left off the end, is skipped)")
     add("--short-lengths", default="384,512")
     add("--long-lengths", default="1024,2048,4096")
     add("--copy-length", type=int, default=128)
@@ -72,23 +75,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--depths", default="0,0.25,0.5,0.75,1")
     add("--samples", type=int, default=10)
     add("--threads", type=int, default=2)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if len(args.steps.split(",")) > 6:
+        parser.error("--steps: at most six stages (copy,short,long,longest,final,far)")
+    return args
 
 
 def stages(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """Each stage's name and its options of ``train_hf_model.py`` beyond the common ones."""
-    copy, short, long, longest, final = args.steps.split(",")
+    """Each stage's name and its options of ``train_hf_model.py`` beyond the common ones: the
+    stages of more than 0 steps."""
+    copy, short, long, longest, final, far = (args.steps.split(",") + ["0"] * 6)[:6]
     long_lengths, copy_length = args.long_lengths.split(","), str(4 * args.copy_length)
-    return [("copy", ["--copy", "1", "--steps", copy]),
-            ("short", ["--copy", "0.3", "--retrieval", "0.5", "--lengths",
-                       args.short_lengths, "--steps", short]),
-            ("long", ["--copy", "0.2", "--retrieval", "0.6", "--lengths", args.long_lengths,
-                      "--copy-length", copy_length, "--steps", long]),
-            ("longest", ["--copy", "0.2", "--retrieval", "0.7", "--lengths",
-                         ",".join(long_lengths[-2:]), "--copy-length", copy_length,
-                         "--steps", longest]),
-            ("final", ["--copy", "0.1", "--retrieval", "0.8", "--lengths", args.eval_lengths,
-                       "--copy-length", copy_length, "--lr", str(args.lr / 3), "--steps", final])]
+    every = [("copy", ["--copy", "1", "--steps", copy]),
+             ("short", ["--copy", "0.3", "--retrieval", "0.5", "--lengths",
+                        args.short_lengths, "--steps", short]),
+             ("long", ["--copy", "0.2", "--retrieval", "0.6", "--lengths", args.long_lengths,
+                       "--copy-length", copy_length, "--steps", long]),
+             ("longest", ["--copy", "0.2", "--retrieval", "0.7", "--lengths",
+                          ",".join(long_lengths[-2:]), "--copy-length", copy_length,
+                          "--steps", longest]),
+             ("final", ["--copy", "0.1", "--retrieval", "0.8", "--lengths", args.eval_lengths,
+                        "--copy-length", copy_length, "--lr", str(args.lr / 3), "--steps", final]),
+             ("far", ["--copy", "0.1", "--retrieval", "0.8", "--far", "0.5", "--lengths",
+                      args.long_lengths, "--copy-length", copy_length, "--lr", str(args.lr / 3),
+                      "--steps", far])]
+    return [(name, options) for name, options in every if int(options[-1])]
 
 
 def common(args: argparse.Namespace) -> list[str]:

@@ -15,9 +15,10 @@ one JSON record (step, seconds, loss in bits per byte, learning rate).
 With ``--retrieval P`` a share P of the steps trains on synthetic retrieval prompts instead
 (``adaspan.hf.needles``: ``--tasks``, by default pass-key and single needle), each followed by
 its answer, at lengths drawn from ``--lengths``, with haystacks from the train split (the first
-``--haystack-bytes``), depths uniform in [0, 1] and seeds from 10**6 on (evaluation seeds start
-at 0); a step holds about ``--tokens-per-step`` tokens (rows = tokens / length), and the
-answer's tokens weigh ``--answer-weight`` in the loss (the log's ``marked_nll``: their mean NLL).
+``--haystack-bytes``), depths uniform in [0, 1] (a share ``--far`` of them in [0, 0.1]) and
+seeds from 10**6 on (evaluation seeds start at 0); a step holds about ``--tokens-per-step``
+tokens (rows = tokens / length), and the answer's tokens weigh ``--answer-weight`` in the loss
+(the log's ``marked_nll``: their mean NLL).
 
 With ``--copy P`` a share P of the steps trains on copies instead: windows of ``--copy-length``
 tokens of the train split in which stretches of 8 to 32 tokens (one per 64 tokens) are
@@ -71,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add("--retrieval", type=float, default=0.0, help="share of steps on retrieval prompts")
     add("--tasks", default="passkey,single_needle", help="retrieval tasks (adaspan.hf.needles)")
+    add("--far", type=float, default=0.0, help="share of retrieval prompts with the needle in "
+        "the first tenth of the haystack (the farthest back), the rest anywhere")
     add("--lengths", default=None, help="retrieval prompt lengths (default: --context)")
     add("--tokens-per-step", type=int, default=8192, help="tokens of a retrieval step")
     add("--answer-weight", type=float, default=1.0, help="loss weight of an answer's tokens")
@@ -86,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lengths = [int(n) for n in (args.lengths or str(args.context)).split(",")]
     if max(args.lengths) > args.context or (args.copy and args.copy_length > args.context):
         parser.error("--lengths and --copy-length must not exceed --context")
+    if not 0 <= args.far <= 1:
+        parser.error("--far is a share of the retrieval prompts, in [0, 1]")
     if args.copy + args.retrieval > 1:
         parser.error("--copy and --retrieval share the steps: their sum must be at most 1")
     return args
@@ -150,8 +155,10 @@ def retrieval_batch(args: argparse.Namespace, haystack: Haystack, rng: np.random
     rows, weights = [], []
     for row in range(max(1, args.tokens_per_step // length)):
         task = args.tasks[int(rng.integers(len(args.tasks)))]
-        sample = make(task, haystack, length, float(rng.random()),
-                      TRAIN_SEEDS + step * 1000 + row)
+        depth = float(rng.random())
+        if args.far and rng.random() < args.far:  # no draw without --far: runs before it repeat
+            depth /= 10
+        sample = make(task, haystack, length, depth, TRAIN_SEEDS + step * 1000 + row)
         answer = haystack.count_ids(" " + ", ".join(sample.answers) + ".")
         rows.append([*sample.ids, *answer])
         weights.append([1.0] * (len(sample.ids) - 1) + [args.answer_weight] * len(answer))

@@ -188,18 +188,58 @@ def test_train_hf_model_copies_stretches_at_random_distances():
     assert len(distances) > 8  # not one fixed distance back
 
 
+@pytest.mark.parametrize("far", [0.0, 0.5, 1.0])
+def test_train_hf_model_puts_a_share_of_needles_far_back(far, monkeypatch):
+    """With ``--far P`` a share of about P of the retrieval prompts has its needle in the first
+    tenth of the haystack, the others anywhere in it."""
+    script = load_script("train_hf_model")
+    depths, original = [], script.make
+
+    def make(*args):
+        depths.append(args[3])
+        return original(*args)
+
+    args = script.parse_args(["--data", "kjv", "--out", "unused", "--context", "512",
+                              "--retrieval", "1", "--tokens-per-step", "512", "--far", str(far)])
+    text = bytes(load_corpus("kjv", progress=False).train[:50_000]).decode()
+    haystack = script.Haystack(text, script.ByT5Tokenizer(extra_ids=0))
+    monkeypatch.setattr(script, "make", make)
+    rng = np.random.default_rng(0)
+    for step in range(60):
+        script.retrieval_batch(args, haystack, rng, step)
+    near_start = sum(depth <= 0.1 for depth in depths)
+    expected = 60 * (0.1 + 0.9 * far)  # the others fall in the first tenth by chance
+    assert len(depths) == 60 and min(depths) >= 0 and abs(near_start - expected) < 15
+    assert far == 1 or max(depths) > 0.8
+
+
+def test_evidence_model_stages():
+    """Six stages, the last with far needles; a stage of 0 steps or left off is skipped."""
+    script = load_script("evidence_model")
+    base = ["--data", "kjv", "--out", "unused"]
+    stages = dict(script.stages(script.parse_args(base)))
+    assert list(stages) == ["copy", "short", "long", "longest", "final", "far"]
+    far = stages["far"]
+    assert far[far.index("--far") + 1] == "0.5" and far[-1] == "1000"
+    for steps in ("1,2,3,4,5", "1,2,3,4,5,0"):
+        stages = script.stages(script.parse_args([*base, "--steps", steps]))
+        assert [options[-1] for _, options in stages] == ["1", "2", "3", "4", "5"]
+    with pytest.raises(SystemExit):
+        script.parse_args([*base, "--steps", "1,2,3,4,5,6,7"])
+
+
 def test_evidence_model_script(tmp_path, capsys):
-    """The five stages and the evaluation run end to end at a tiny size; a second run keeps
-    the stages saved and scores again."""
+    """The stages and the evaluation run end to end at a tiny size; a second run keeps the
+    stages saved and scores again."""
     script = load_script("evidence_model")
     argv = ["--data", "kjv", "--out", str(tmp_path / "ev"), "--context", "512", "--shape",
-            "1,32,4,2,64", "--steps", "2,2,2,2,2", "--short-lengths", "384", "--long-lengths",
+            "1,32,4,2,64", "--steps", "2,2,2,2,2,2", "--short-lengths", "384", "--long-lengths",
             "512", "--copy-length", "64", "--tokens-per-step", "1024", "--eval-lengths", "512",
             "--depths", "0.5", "--samples", "1", "--threads", "1"]
     result = script.main(argv)
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
     assert [stage["stage"] for stage in result["stages"]] == ["copy", "short", "long", "longest",
-                                                               "final"]
+                                                               "final", "far"]
     assert all(stage["steps"] == 2 for stage in result["stages"])
     assert set(result["haystacks"]) == {"test", "kjv"}
     for scored in result["haystacks"].values():
