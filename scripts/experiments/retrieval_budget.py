@@ -13,7 +13,8 @@ retrieval at one cache budget, side by side on one model, and print the comparis
 3. ``adaspan longeval`` scores, on the ``--haystack`` text (which the spans did not train on)
    and every task (most of which they did not see): the model with full attention (``full``),
    with its spans (``spans``), and at the spans' budget StreamingLLM (``streaming``),
-   DuoAttention's binarised heads (``duo``) and SnapKV (``snapkv``).
+   DuoAttention's binarised heads (``duo``) and SnapKV (``snapkv``); ``--policies`` scores
+   fewer of the three.
 
 Output: ``--out`` holds each run (``spans/``, ``duo/``, ``eval-POLICY/`` with the heatmaps) and
 ``retrieval_budget.json``: per policy the mean accuracy per task and length, the bytes held,
@@ -62,10 +63,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--retrieval", type=float, default=0.5)
     add("--retrieval-tasks", default="passkey")
     add("--retrieval-loss", choices=RETRIEVAL_LOSSES, default=RetrofitConfig.retrieval_loss)
+    add("--retrieval-far", type=float, default=0.0,
+        help="share of the retrieval prompts with the needle in the haystack's first tenth")
+    add("--policies", default=",".join(POLICIES), help="the policies scored, comma-separated "
+        "(full and spans always; duo's retrofit runs only for duo)")
     add("--eval-bytes", type=int, default=65536)
     add("--decode-tokens", type=int, default=64)
     add("--threads", type=int, default=0, help="torch's CPU threads (0: its default)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    chosen = set(args.policies.split(",")) | {"full", "spans"}
+    if chosen - set(POLICIES):
+        parser.error(f"--policies: unknown {', '.join(sorted(chosen - set(POLICIES)))}; "
+                     f"the policies are {', '.join(POLICIES)}")
+    args.policies = [name for name in POLICIES if name in chosen]
+    return args
 
 
 def run(*argv: str) -> dict:
@@ -94,7 +105,8 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                optimizer, "--span-loss",
                str(coef), "--penalty", "byte", "--per-kv-head", "--sinks", str(args.sinks),
                "--streaming-window", str(args.streaming_window), "--retrieval",
-               str(args.retrieval), "--retrieval-tasks", args.retrieval_tasks, "--eval-bytes",
+               str(args.retrieval), "--retrieval-tasks", args.retrieval_tasks,
+               "--retrieval-far", str(args.retrieval_far), "--eval-bytes",
                str(args.eval_bytes), "--decode-tokens", str(args.decode_tokens), "--threads",
                str(args.threads))
 
@@ -121,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     report = retrofit(args, "spans", args.span_loss)
-    retrofit(args, "duo", args.duo_loss)
+    if "duo" in args.policies:
+        retrofit(args, "duo", args.duo_loss)
     evaluated = {"full": longeval(args, args.model_dir, "full", "full"),
                  "spans": longeval(args, args.out / "spans", "spans", "spans")}
     longest = args.lengths.split(",")[-1]
@@ -129,14 +142,14 @@ def main(argv: list[str] | None = None) -> dict:
     specs = {"streaming": f"streaming:budget={budget},sinks={args.sinks}",
              "duo": f"duo:gates={args.out / 'duo'},budget={budget}",
              "snapkv": f"snapkv:bytes={budget}"}
-    for name, spec in specs.items():
-        evaluated[name] = longeval(args, args.model_dir, spec, name)
+    for name in args.policies[2:]:
+        evaluated[name] = longeval(args, args.model_dir, specs[name], name)
     result = {"model": str(args.model_dir), "budget_bytes": budget, "at_length": longest,
               "options": {k: str(v) for k, v in vars(args).items()},
               "retrofit": {k: report.get(k) for k in ("spans", "heldout", "cache")},
               "policies": {name: {"cache": evaluated[name]["cache"],
                                   **summary(evaluated[name], evaluated["full"])}
-                           for name in POLICIES}}
+                           for name in args.policies}}
     (args.out / "retrieval_budget.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
     return result

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
 from adaspan.data.corpora import load_corpus
-from adaspan.hf.needles import Haystack, make
+from adaspan.hf.needles import Haystack, draw_depth, make
 
 OFFSET = 3  # ByT5: pad 0, eos 1, unk 2, then the 256 bytes
 TRAIN_SEEDS = 10**6  # retrieval prompts of training draw their seeds from here on
@@ -155,10 +155,8 @@ def retrieval_batch(args: argparse.Namespace, haystack: Haystack, rng: np.random
     rows, weights = [], []
     for row in range(max(1, args.tokens_per_step // length)):
         task = args.tasks[int(rng.integers(len(args.tasks)))]
-        depth = float(rng.random())
-        if args.far and rng.random() < args.far:  # no draw without --far: runs before it repeat
-            depth /= 10
-        sample = make(task, haystack, length, depth, TRAIN_SEEDS + step * 1000 + row)
+        sample = make(task, haystack, length, draw_depth(rng, args.far),
+                      TRAIN_SEEDS + step * 1000 + row)
         answer = haystack.count_ids(" " + ", ".join(sample.answers) + ".")
         rows.append([*sample.ids, *answer])
         weights.append([1.0] * (len(sample.ids) - 1) + [args.answer_weight] * len(answer))

@@ -437,6 +437,7 @@ class RetrofitConfig:
     streaming_window: int = 256  # duo: the recent positions a streaming head reads
     optimizer: str = "adam"  # Adam, or plain SGD: a step in proportion to the gradient
     retrieval_loss: str = "answer"  # a retrieval prompt's loss: its answer, or every position
+    retrieval_far: float = 0.0  # share of retrieval prompts with the needle in the first tenth
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -473,6 +474,9 @@ class RetrofitConfig:
         if not 0.0 <= self.retrieval <= 1.0:
             raise ConfigError(f"retrieval is a share of each step's windows in [0, 1], got "
                               f"{self.retrieval}")
+        if not 0.0 <= self.retrieval_far <= 1.0:
+            raise ConfigError(f"retrieval_far is a share of the retrieval prompts in [0, 1], "
+                              f"got {self.retrieval_far}")
         if not self.retrieval_tasks.strip(","):
             raise ConfigError("retrieval_tasks names at least one task")
 

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import ByT5Tokenizer, PreTrainedTokenizerFast
 
 from adaspan.data.corpora import load_corpus
 from adaspan.errors import UserError
-from adaspan.hf.needles import TASKS, Haystack, Needles, found, make, register_task, sentences
+from adaspan.hf.needles import (
+    FAR,
+    TASKS,
+    Haystack,
+    Needles,
+    draw_depth,
+    found,
+    make,
+    register_task,
+    sentences,
+)
 
 # every statement a task hides, whatever its values (the templates of adaspan.hf.needles)
 STATEMENT = re.compile(r"Here is the pass key: \d+\. Keep \d+ in mind\.|(The|One) special magic "
@@ -157,3 +168,22 @@ def test_a_registered_task_is_made_like_the_others(haystack):
         assert sample.prompt.startswith(f"Read this.\n\nThe word is {sample.answers[0]}.")
     finally:
         del TASKS["echo"]
+
+
+def test_draw_depth_without_far_is_one_uniform_draw():
+    """Without ``far`` a depth is the generator's next number, so that training runs from before
+    the choice draw the same prompts."""
+    a, b = np.random.default_rng(7), np.random.default_rng(7)
+    assert [draw_depth(a) for _ in range(50)] == [float(b.random()) for _ in range(50)]
+
+
+@pytest.mark.parametrize("far", [0.25, 1.0])
+def test_draw_depth_puts_a_share_far_back(far):
+    """A share ``far`` of the depths lies in the first 1/FAR of the haystack (the rest, uniform
+    in [0, 1], fall there a tenth of the time): 2,000 draws within 4 standard deviations."""
+    rng = np.random.default_rng(0)
+    depths = np.array([draw_depth(rng, far) for _ in range(2000)])
+    share = far + (1 - far) / FAR
+    assert depths.min() >= 0 and depths.max() <= 1
+    assert abs((depths <= 1 / FAR).mean() - share) <= 4 * (share * (1 - share) / 2000) ** 0.5
+    assert far == 1 or depths.max() > 0.9

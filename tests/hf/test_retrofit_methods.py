@@ -55,6 +55,27 @@ def test_retrieval_prompts_replace_the_last_windows(model_dir, tmp_path, retriev
     assert not torch.equal(x[2:], data.batch(4)[0][2:])
 
 
+@pytest.mark.parametrize("far", [0.0, 1.0])
+def test_retrieval_far_puts_the_needles_in_the_haystack_s_first_tenth(model_dir, tmp_path, far,
+                                                                      monkeypatch):
+    """``retrieval_far=1``: every training prompt's needle lies in the first tenth of its
+    haystack; without it, anywhere."""
+    import adaspan.hf.retrofit_data as retrofit_data
+
+    depths, original = [], retrofit_data.make
+    monkeypatch.setattr(retrofit_data, "make",
+                        lambda *args: depths.append(args[3]) or original(*args))
+    config = options(model_dir, tmp_path, context=400, batch_size=4, retrieval=0.5,
+                     retrieval_far=far)
+    data = TrainData.read(config, AutoTokenizer.from_pretrained(model_dir))
+    for step in range(10):
+        data.batch(step)
+    assert len(depths) == 1 + 20  # TrainData.read's check of the task, then 2 a step
+    assert max(depths[1:]) <= 0.1 if far else max(depths[1:]) > 0.5
+    with pytest.raises(ConfigError, match="retrieval_far is a share"):
+        options(model_dir, tmp_path, retrieval_far=1.5)
+
+
 @pytest.mark.parametrize("loss", ["distill", "lm"])
 def test_the_loss_is_a_mean_over_rows_of_each_row_s_scored_positions(model_dir, tmp_path, loss):
     config = options(model_dir, tmp_path, loss=loss, span_loss=0.0)
@@ -163,7 +184,7 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
                           "1", "--steps", "2", "--sinks", "2", "--streaming-window", "16",
                           "--eval-bytes", "500", "--decode-tokens", "2", "--span-loss", "1e-3",
                           "--span-optimizer", "sgd", "--span-lr", "0.5", "--ramp", "64",
-                          "--retrieval-loss", "all"])
+                          "--retrieval-loss", "all", "--retrieval-far", "0.5"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
     assert set(result["policies"]) == {"full", "spans", "streaming", "duo", "snapkv"}
     budget = result["budget_bytes"]
@@ -183,4 +204,22 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
     assert (settings["spans"]["optimizer"], settings["spans"]["lr"]) == ("sgd", 0.5)
     assert (settings["duo"]["optimizer"], settings["duo"]["lr"]) == ("adam", 0.02)
     for method in ("spans", "duo"):  # the same data and loss for both
-        assert (settings[method]["ramp"], settings[method]["retrieval_loss"]) == (64, "all")
+        assert (settings[method]["ramp"], settings[method]["retrieval_loss"],
+                settings[method]["retrieval_far"]) == (64, "all", 0.5)
+
+
+def test_retrieval_budget_scores_the_policies_asked_for(model_dir, tmp_path, capsys):
+    """``--policies snapkv``: full attention, the spans and SnapKV, no gates trained; an unknown
+    policy is a usage error."""
+    script = load_script("retrieval_budget")
+    result = script.main([str(model_dir), "--data", "kjv", "--haystack", "kjv", "--out",
+                          str(tmp_path / "cmp"), "--context", "400", "--lengths", "400",
+                          "--depths", "0.5", "--tasks", "passkey", "--samples", "1",
+                          "--steps", "2", "--eval-bytes", "500", "--decode-tokens", "2",
+                          "--policies", "snapkv"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
+    assert list(result["policies"]) == ["full", "spans", "snapkv"]
+    assert not (tmp_path / "cmp" / "duo").exists()
+    with pytest.raises(SystemExit):
+        script.parse_args([str(model_dir), "--data", "kjv", "--haystack", "kjv", "--out", "x",
+                           "--policies", "spans,h2o"])

@@ -84,6 +84,9 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
     p.add_argument("--retrieval-loss", choices=RETRIEVAL_LOSSES, default=default.retrieval_loss,
                    help="what of a retrieval prompt the loss scores: the positions that "
                    "predict its answer, or all")
+    p.add_argument("--retrieval-far", type=float, default=default.retrieval_far,
+                   help="share of the retrieval prompts with the needle in the first tenth "
+                   "of the haystack, farthest from the question (the rest anywhere)")
     p.add_argument("--streaming-window", type=positive_int, default=default.streaming_window,
                    help="duo: the recent positions a streaming head reads")
 
@@ -106,7 +109,7 @@ def _retrofit(args: argparse.Namespace) -> int:
         args.max_span, args.ramp, args.context, args.steps, args.batch_size, args.lr,
         args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head,
         args.method, args.sinks, args.penalty, args.retrieval, args.retrieval_tasks,
-        args.streaming_window, args.optimizer, args.retrieval_loss)
+        args.streaming_window, args.optimizer, args.retrieval_loss, args.retrieval_far)
     dist = Distributed.from_env()
     device = _process_device(args.device, dist)
     with dist.joined(device):  # a sharded model is measured by the processes together

@@ -153,6 +153,19 @@ def make(task: str, haystack: Haystack, length: int, depth: float, seed: int) ->
     return TASKS[task](haystack, length, depth, seed)
 
 
+FAR = 10  # a far needle's depth lies in the first 1/FAR of the haystack, farthest back
+
+
+def draw_depth(rng, far: float = 0.0) -> float:
+    """A needle's depth for training prompts: uniform in [0, 1], or with probability ``far``
+    uniform in [0, 1/:data:`FAR`]. ``rng`` is a NumPy generator; without ``far`` it draws one
+    number only (the draws of runs without it stay as they were)."""
+    depth = float(rng.random())
+    if far and rng.random() < far:
+        depth /= FAR
+    return depth
+
+
 def compose(task: str, needles: Needles, haystack: Haystack, length: int, depth: float,
             seed: int, rng: random.Random) -> Sample:
     """The prompt of ``needles``: the haystack from a random sentence on, whole sentences

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..config import RetrofitConfig
 from ..data.corpora import load_corpus
 from ..errors import ConfigError
-from .needles import Haystack, make
+from .needles import Haystack, draw_depth, make
 
 POOL_BYTES = 1 << 24  # the start of the train split that windows and haystacks are drawn from
 TRAIN_SEEDS = 10**6  # retrieval prompts of training take seeds from here on (longeval's: 0 on)
@@ -78,8 +78,9 @@ class TrainData:
 
     def retrieval_rows(self, step: int, count: int) -> tuple[Tensor, Tensor]:
         """``count`` prompts of the step (a task of ``retrieval_tasks``, a depth uniform in
-        [0, 1], a seed from ``TRAIN_SEEDS`` on), each followed by its values and padded; and
-        the positions the loss scores."""
+        [0, 1] or, for a share ``retrieval_far``, in its first tenth, a seed from
+        ``TRAIN_SEEDS`` on), each followed by its values and padded; and the positions the
+        loss scores."""
         config, haystack = self.config, self.haystack
         rng = np.random.default_rng([config.seed, step, 1])
         tasks = config.retrieval_tasks.split(",")
@@ -87,7 +88,8 @@ class TrainData:
         scored = torch.full_like(rows, config.retrieval_loss == "all", dtype=torch.bool)
         for row in range(count):
             task = tasks[int(rng.integers(len(tasks)))]
-            sample = make(task, haystack, config.context, float(rng.random()),
+            sample = make(task, haystack, config.context,
+                          draw_depth(rng, config.retrieval_far),
                           TRAIN_SEEDS + int(rng.integers(1 << 30)))
             answer = haystack.count_ids(" " + ", ".join(sample.answers) + ".")
             ids = torch.tensor([*sample.ids, *answer][: config.context], dtype=torch.long)
