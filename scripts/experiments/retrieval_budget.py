@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     specs = {"streaming": f"streaming:budget={budget},sinks={args.sinks}",
              "duo": f"duo:gates={args.out / 'duo'},budget={budget}",
              "snapkv": f"snapkv:bytes={budget}"}
-    for name in args.policies[2:]:
+    for name in (name for name in args.policies if name in specs):
         evaluated[name] = longeval(args, args.model_dir, specs[name], name)
     result = {"model": str(args.model_dir), "budget_bytes": budget, "at_length": longest,
               "options": {k: str(v) for k, v in vars(args).items()},
