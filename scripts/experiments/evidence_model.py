@@ -10,7 +10,8 @@ schedule each):
 1. ``copy``: windows of the train split with stretches written again at random distances
    (``--copy``), the copies' tokens weighed ``--answer-weight``: induction heads form.
 2. ``short``: retrieval prompts (pass key, single needle) of ``--short-lengths`` tokens with
-   their answers, copies and text.
+   their answers (80% of the steps), and copies: enough needles that the model learns to copy
+   one before the needles move far.
 3. ``long``: the same at ``--long-lengths``, up to the model's ``--context`` positions.
 4. ``longest``: again, at the longest two of them, with more retrieval.
 5. ``final``: retrieval prompts at every length of the evaluation (``--eval-lengths``), at a
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", type=Path, required=True)
     add("--context", type=int, default=4096, help="the model's positions")
     add("--shape", default="3,128,4,2,344", help="layers,width,heads,kv_heads,d_ff")
-    add("--steps", default="2000,2000,1500,2500,1500,1000",
+    add("--steps", default="1500,2500,1500,2500,1500,1000",
         help="steps of the stages copy,short,long,longest,final,far (a stage of 0 steps, or "
         "left off the end, is skipped)")
     add("--short-lengths", default="384,512")
@@ -87,7 +88,7 @@ def stages(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     copy, short, long, longest, final, far = (args.steps.split(",") + ["0"] * 6)[:6]
     long_lengths, copy_length = args.long_lengths.split(","), str(4 * args.copy_length)
     every = [("copy", ["--copy", "1", "--steps", copy]),
-             ("short", ["--copy", "0.3", "--retrieval", "0.5", "--lengths",
+             ("short", ["--copy", "0.2", "--retrieval", "0.8", "--lengths",
                         args.short_lengths, "--steps", short]),
              ("long", ["--copy", "0.2", "--retrieval", "0.6", "--lengths", args.long_lengths,
                        "--copy-length", copy_length, "--steps", long]),
