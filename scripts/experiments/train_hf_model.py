@@ -26,6 +26,9 @@ written again further on, at random distances: a copy is predictable only by fin
 first tokens earlier (what induction heads do, the mechanism of retrieval), not by looking a
 fixed distance back. About ``--tokens-per-step`` tokens a step; the copies' tokens after their
 first weigh ``--answer-weight`` (``marked_nll``: their mean NLL).
+
+The result (printed last, as JSON) holds, per kind of marked step, the mean ``marked_nll`` of
+the last tenth of those steps: whether the copies and the answers were learned by the end.
 """
 
 from __future__ import annotations
@@ -212,6 +215,12 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
     return args.lr * max(0.0, 1 - (step - args.warmup) / max(1, args.steps - args.warmup))
 
 
+def late_mean(values: list[float], share: float = 0.1) -> float:
+    """The mean of the last ``share`` of ``values`` (at least one)."""
+    last = values[-max(1, round(share * len(values))):]
+    return sum(last) / len(last)
+
+
 def save(model: LlamaForCausalLM, out: Path) -> None:
     model.save_pretrained(out)
     ByT5Tokenizer(extra_ids=0).save_pretrained(out)
@@ -228,7 +237,7 @@ def train(args: argparse.Namespace) -> dict:
     model = LlamaForCausalLM.from_pretrained(args.init) if args.init else build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
                                   weight_decay=0.01)
-    start, step = time.perf_counter(), 0
+    start, step, marked = time.perf_counter(), 0, {}
     print(json.dumps({"parameters": sum(p.numel() for p in model.parameters()),
                       "train_bytes": len(corpus.train)}), flush=True)
     for step in range(1, args.steps + 1):
@@ -237,6 +246,8 @@ def train(args: argparse.Namespace) -> dict:
         kind = step_kind(args, rng)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             loss, answer_nll = step_loss(args, model, corpus.train, haystack, rng, step, kind)
+        if answer_nll is not None:
+            marked.setdefault(kind, []).append(answer_nll)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -254,7 +265,8 @@ def train(args: argparse.Namespace) -> dict:
     save(model, args.out)
     valid = corpus.valid[: args.valid_bytes]
     result = {"steps": step, "seconds": round(time.perf_counter() - start, 1),
-              "valid_bytes": len(valid), "valid_bpb": bits_per_byte(model, valid, args.context)}
+              "valid_bytes": len(valid), "valid_bpb": bits_per_byte(model, valid, args.context),
+              "marked_nll": {kind: late_mean(values) for kind, values in marked.items()}}
     print(json.dumps(result), flush=True)
     return result
 

@@ -163,12 +163,32 @@ def test_train_hf_model_script(tmp_path):
         "--data", "kjv", "--out", str(out), "--steps", "3", "--context", "32",
         "--d-model", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--d-ff", "64",
         "--batch-size", "2", "--warmup", "1", "--valid-bytes", "100", "--threads", "0"]))
-    assert result["steps"] == 3 and 0 < result["valid_bpb"] < 9
+    assert result["steps"] == 3 and 0 < result["valid_bpb"] < 9 and result["marked_nll"] == {}
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer("hé", add_special_tokens=False)["input_ids"] == [
         b + script.OFFSET for b in "hé".encode()]
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_key_value_heads == 2 and model.config.max_position_embeddings == 32
+
+
+def test_train_hf_model_reports_the_late_loss_of_the_marked_tokens(tmp_path, capsys):
+    """The result holds, per kind of marked step, the mean marked NLL of its last tenth of
+    steps (as logged at every step here); text steps mark nothing."""
+    script = load_script("train_hf_model")
+    assert script.late_mean([5.0, 4.0, 3.0, 2.0, 1.0, 1.0, 1.0, 1.0, 2.0, 4.0]) == 4.0
+    assert script.late_mean([9.0, 3.0, 1.0], share=0.5) == 2.0
+    assert script.late_mean([7.0]) == 7.0
+    result = script.train(script.parse_args([
+        "--data", "kjv", "--out", str(tmp_path / "m"), "--steps", "20", "--context", "64",
+        "--d-model", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--d-ff", "64",
+        "--copy", "1", "--copy-length", "64", "--tokens-per-step", "256", "--answer-weight",
+        "3", "--warmup", "1", "--valid-bytes", "100", "--threads", "0", "--log-every", "1"]))
+    logged = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+              if line.startswith('{"step"')]
+    assert [r["kind"] for r in logged] == ["copy"] * 20
+    assert set(result["marked_nll"]) == {"copy"}
+    assert result["marked_nll"]["copy"] == pytest.approx(
+        sum(r["marked_nll"] for r in logged[-2:]) / 2, abs=1e-3)
 
 
 def test_train_hf_model_copies_stretches_at_random_distances():
