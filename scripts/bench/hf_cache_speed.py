@@ -8,19 +8,24 @@ static cache's decode step compiled by ``torch.compile``'s inductor: the spans'
 
     python scripts/bench/hf_cache_speed.py [--contexts 2048,4096,8192] [--new 64] [--runs 3]
         [--spans 32,64,128,1024] [--layers 4] [--width 256] [--heads 4] [--kv-heads 4]
-        [--threads 1] [--compile] [--model DIR]
+        [--d-ff N] [--vocab 256] [--ramp 32] [--sinks 0] [--per-kv-head] [--threads 1]
+        [--compile] [--model DIR]
 
-The model: a random Llama (vocabulary 256, ``layers`` layers of width ``width``, ``heads``
-query heads, ``kv-heads`` key/value heads, feed-forward 4 x width, fp32), max_span = the longest
-context + ``new``, R = 32, every layer's heads given ``spans`` (z = span - R). For each context,
-a random prompt of that many tokens is run once (prefill, timed), then ``new`` tokens are
-decoded greedily one forward at a time (timed); the setups alternate run after run and the
-median of ``runs`` runs is reported, with the bytes of keys and values each cache holds at the
-end, and the median over runs of the static cache's decode speed over ``SpanCache``'s (each
-run's pair measured back to back). A compiled step is compiled before the runs (a short
-prompt, untimed). ``--model DIR``: instead of the random Llama, a model saved with its spans
-(``adaspan.hf.save_model``, ``adaspan retrofit``), against itself with sdpa attention (the
-prompt's tokens drawn from its vocabulary). Prints one JSON line per context.
+The model: a random Llama (vocabulary ``vocab``, ``layers`` layers of width ``width``, ``heads``
+query heads, ``kv-heads`` key/value heads, feed-forward ``d-ff`` (default 4 x width), fp32),
+max_span = the longest context + ``new``, R = ``ramp``, ``sinks`` attention sinks, one span per
+query head (or per key/value head: ``--per-kv-head``). ``spans`` are the heads' spans z + R, the
+same in every layer, or one group a layer separated by ``/`` (``256,256/4096,4010/256,256``). The
+work of a decode step depends on the shapes and the spans, not on the weights' values: a trained
+model's spans on random weights of its shape measure its speed. For each context, a random prompt
+of that many tokens is run once (prefill, timed), then ``new`` tokens are decoded greedily one
+forward at a time (timed); the setups alternate run after run and the median of ``runs`` runs is
+reported, with the bytes of keys and values each cache holds at the end, and the median over runs
+of the static cache's decode speed over ``SpanCache``'s (each run's pair measured back to back). A
+compiled step is compiled before the runs (a short prompt, untimed). ``--model DIR``: instead of
+the random Llama, a model saved with its spans (``adaspan.hf.save_model``, ``adaspan retrofit``),
+against itself with sdpa attention (the prompt's tokens drawn from its vocabulary). Prints one JSON
+line per context.
 """
 
 from __future__ import annotations
@@ -53,16 +58,28 @@ def build(args: argparse.Namespace, positions: int) -> tuple:
         full = copy.deepcopy(span)
         full.set_attn_implementation("sdpa")  # its spans attached, unread
         return full, span
-    config = LlamaConfig(vocab_size=256, hidden_size=args.width, intermediate_size=4 * args.width,
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width,
+                         intermediate_size=args.d_ff or 4 * args.width,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=positions)
     torch.manual_seed(0)
     full = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
-    span = add_spans(copy.deepcopy(full), max_span=positions, ramp=32)  # its own config
-    spans = torch.tensor([float(s) for s in args.spans.split(",")])
-    for module in span_modules(span):
+    span = add_spans(copy.deepcopy(full), max_span=positions, ramp=args.ramp,  # its own config
+                     per_kv_head=args.per_kv_head, sinks=args.sinks)
+    modules = span_modules(span)
+    for module, spans in zip(modules, layer_spans(args.spans, len(modules)), strict=True):
         module.set_spans(spans)
     return full, span
+
+
+def layer_spans(text: str, layers: int) -> list[torch.Tensor]:
+    """``--spans``: one group of spans for every layer, or one a layer separated by ``/``."""
+    groups = [torch.tensor([float(s) for s in group.split(",")]) for group in text.split("/")]
+    if len(groups) == 1:
+        return groups * layers
+    if len(groups) != layers:
+        raise SystemExit(f"--spans: {len(groups)} groups of spans for {layers} layers")
+    return groups
 
 
 def setups_of(full, span, compiled: bool, positions: int) -> dict:
@@ -123,11 +140,17 @@ def main() -> None:
     parser.add_argument("--contexts", default="2048,4096,8192")
     parser.add_argument("--new", type=int, default=64, help="tokens decoded after the prompt")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--spans", default="32,64,128,1024", help="each head's span, tokens")
+    parser.add_argument("--spans", default="32,64,128,1024",
+                        help="each head's span z + R in tokens; per layer: groups split by /")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--d-ff", type=int, help="feed-forward width (default 4 x width)")
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--ramp", type=int, default=32, help="the spans' ramp R")
+    parser.add_argument("--sinks", type=int, default=0, help="attention sinks")
+    parser.add_argument("--per-kv-head", action="store_true", help="one span per key/value head")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", help="a directory saved with its spans (default: random)")
     parser.add_argument("--compile", action="store_true",
@@ -145,6 +168,8 @@ def main() -> None:
         line = measure(setups, context, args)
         print(json.dumps({**line, "model": args.model or "random", "threads": args.threads,
                           "spans": None if args.model else args.spans,
+                          **({} if args.model else {"ramp": args.ramp, "sinks": args.sinks,
+                                                    "per_kv_head": args.per_kv_head}),
                           "torch": torch.__version__, "transformers": transformers.__version__}),
               flush=True)
 

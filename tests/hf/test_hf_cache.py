@@ -130,6 +130,28 @@ def test_the_speed_script_prints_bytes_and_speeds_of_the_caches():
         assert line["static_over_span_decode"] > 0 and line["static_over_full_decode"] > 0
 
 
+def test_the_speed_script_sets_spans_per_layer_and_key_value_head_with_sinks():
+    """``--spans A/B --per-kv-head --sinks 2``: layer 0's key/value heads hold windows 8 and
+    16, layer 1's 4 and 12 (z exact in fp32 at S = 64), each its window - 1 positions and the
+    2 sinks; the static cache one slot a head more; a group per layer or one for all."""
+    script = Path(__file__).parents[2] / "scripts" / "bench" / "hf_cache_speed.py"
+    options = ["--contexts", "61", "--new", "3", "--runs", "1", "--layers", "2", "--width",
+               "32", "--heads", "2", "--kv-heads", "2", "--d-ff", "48", "--vocab", "40",
+               "--ramp", "4", "--sinks", "2", "--per-kv-head"]
+    done = subprocess.run([sys.executable, str(script), *options, "--spans", "8,16/4,12"],
+                          capture_output=True, text=True, check=True, timeout=300)
+    line = json.loads(done.stdout)
+    per_position = 2 * 16 * 4  # a key and a value of 16 fp32 per key/value head
+    kept = (7 + 2) + (15 + 2) + (3 + 2) + (11 + 2)
+    assert line["span_kv_bytes"] == kept * per_position
+    assert line["static_kv_bytes"] == (kept + 4) * per_position
+    assert line["full_kv_bytes"] == 2 * 2 * 64 * per_position
+    assert (line["spans"], line["sinks"], line["per_kv_head"]) == ("8,16/4,12", 2, True)
+    wrong = subprocess.run([sys.executable, str(script), *options, "--spans", "8,16/4,12/4,4"],
+                           capture_output=True, text=True, timeout=300)
+    assert wrong.returncode != 0 and "3 groups of spans for 2 layers" in wrong.stderr
+
+
 def test_spans_per_key_value_head_keep_their_windows_in_the_cache():
     """A z per key/value head: each key/value head holds its own window - 1 positions, and the
     greedy tokens are those of the full cache."""
