@@ -67,14 +67,21 @@ def build(args: argparse.Namespace, positions: int) -> tuple:
     span = add_spans(copy.deepcopy(full), max_span=positions, ramp=args.ramp,  # its own config
                      per_kv_head=args.per_kv_head, sinks=args.sinks)
     modules = span_modules(span)
-    for module, spans in zip(modules, layer_spans(args.spans, len(modules)), strict=True):
-        module.set_spans(spans)
+    for layer, (module, spans) in enumerate(zip(modules, layer_spans(args.spans, len(modules)),
+                                                strict=True)):
+        try:
+            module.set_spans(spans)
+        except ValueError as error:
+            raise SystemExit(f"--spans, layer {layer}: {error}") from None
     return full, span
 
 
 def layer_spans(text: str, layers: int) -> list[torch.Tensor]:
     """``--spans``: one group of spans for every layer, or one a layer separated by ``/``."""
-    groups = [torch.tensor([float(s) for s in group.split(",")]) for group in text.split("/")]
+    try:
+        groups = [torch.tensor([float(s) for s in group.split(",")]) for group in text.split("/")]
+    except ValueError:
+        raise SystemExit(f"--spans: numbers split by , and /, got {text!r}") from None
     if len(groups) == 1:
         return groups * layers
     if len(groups) != layers:

@@ -133,7 +133,7 @@ def test_the_speed_script_prints_bytes_and_speeds_of_the_caches():
 def test_the_speed_script_sets_spans_per_layer_and_key_value_head_with_sinks():
     """``--spans A/B --per-kv-head --sinks 2``: layer 0's key/value heads hold windows 8 and
     16, layer 1's 4 and 12 (z exact in fp32 at S = 64), each its window - 1 positions and the
-    2 sinks; the static cache one slot a head more; a group per layer or one for all."""
+    2 sinks; the static cache one slot a head more. Bad ``--spans`` are one-line errors."""
     script = Path(__file__).parents[2] / "scripts" / "bench" / "hf_cache_speed.py"
     options = ["--contexts", "61", "--new", "3", "--runs", "1", "--layers", "2", "--width",
                "32", "--heads", "2", "--kv-heads", "2", "--d-ff", "48", "--vocab", "40",
@@ -147,9 +147,14 @@ def test_the_speed_script_sets_spans_per_layer_and_key_value_head_with_sinks():
     assert line["static_kv_bytes"] == (kept + 4) * per_position
     assert line["full_kv_bytes"] == 2 * 2 * 64 * per_position
     assert (line["spans"], line["sinks"], line["per_kv_head"]) == ("8,16/4,12", 2, True)
-    wrong = subprocess.run([sys.executable, str(script), *options, "--spans", "8,16/4,12/4,4"],
-                           capture_output=True, text=True, timeout=300)
-    assert wrong.returncode != 0 and "3 groups of spans for 2 layers" in wrong.stderr
+    for spans, error in [("8,16/4,12/4,4", "--spans: 3 groups of spans for 2 layers"),
+                         ("8,x", "--spans: numbers split by , and /, got '8,x'"),
+                         ("8,16/4,100", "--spans, layer 1: spans must lie in [1, max_span=64]"),
+                         ("8,16,4", "--spans, layer 0: expected 2 spans, got 3")]:
+        wrong = subprocess.run([sys.executable, str(script), *options, "--spans", spans],
+                               capture_output=True, text=True, timeout=300)
+        assert wrong.returncode != 0 and wrong.stderr.strip().startswith(error)
+        assert "Traceback" not in wrong.stderr
 
 
 def test_spans_per_key_value_head_keep_their_windows_in_the_cache():
