@@ -234,13 +234,17 @@ def test_train_hf_model_puts_a_share_of_needles_far_back(far, monkeypatch):
 
 
 def test_evidence_model_stages():
-    """Six stages, the last with far needles; a stage of 0 steps or left off is skipped."""
+    """Six stages, the last with far needles; a stage of 0 steps or left off is skipped (by
+    default ``final``)."""
     script = load_script("evidence_model")
     base = ["--data", "kjv", "--out", "unused"]
     stages = dict(script.stages(script.parse_args(base)))
-    assert list(stages) == ["copy", "short", "long", "longest", "final", "far"]
+    assert list(stages) == ["copy", "short", "long", "longest", "far"]
     far = stages["far"]
-    assert far[far.index("--far") + 1] == "0.5" and far[-1] == "1000"
+    assert far[far.index("--far") + 1] == "0.5" and far[-1] == "1500"
+    assert sum(int(options[-1]) for options in stages.values()) == 8000
+    every = dict(script.stages(script.parse_args([*base, "--steps", "1,2,3,4,5,6"])))
+    assert list(every) == ["copy", "short", "long", "longest", "final", "far"]
     for steps in ("1,2,3,4,5", "1,2,3,4,5,0"):
         stages = script.stages(script.parse_args([*base, "--steps", steps]))
         assert [options[-1] for _, options in stages] == ["1", "2", "3", "4", "5"]
