@@ -101,6 +101,24 @@ def run_quietly(run_dir: Path, config: TrainConfig, model: ModelConfig = TRAIN_M
     return train(model, config, run_dir, progress=False, log=lambda message: None, **kw)
 
 
+def _then_exit(rank: int, worker, *args) -> None:
+    """``worker(rank, *args)``, then the process ends without the interpreter's teardown.
+
+    A worker that returned has written all its test checks. Past that point a spawned
+    process of the suite has now and then aborted in torch ("terminate called without an
+    active exception", SIGABRT; never in 65 passes of its test alone, the cause not pinned
+    down), failing a test whose results were all written. What is left out is where Python
+    frees torch's objects, gloo's threads among them. An exception still reaches ``spawn``
+    and fails the test."""
+    import os
+    import sys
+
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_processes(worker, args: tuple, what: str, nprocs: int = 2, seconds: float = 120) -> None:
     """``worker(rank, *args)`` in ``nprocs`` spawned processes, killed (and the test failed,
     saying ``what`` did not finish) after ``seconds``."""
@@ -108,7 +126,8 @@ def run_processes(worker, args: tuple, what: str, nprocs: int = 2, seconds: floa
 
     import pytest
 
-    workers = torch.multiprocessing.spawn(worker, args=args, nprocs=nprocs, join=False)
+    workers = torch.multiprocessing.spawn(_then_exit, args=(worker, *args), nprocs=nprocs,
+                                          join=False)
     deadline = time.monotonic() + seconds
     while not workers.join(timeout=1):
         if time.monotonic() > deadline:

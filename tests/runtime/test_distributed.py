@@ -78,9 +78,7 @@ def _refused_worker(rank: int, store: Path, data: str, run: Path, out: Path) -> 
     except RunLockedError as exc:
         (out / f"refused-{rank}.txt").write_text(str(exc))
     finally:
-        # both ranks are refused together, so both can meet here and leave the group
-        # together: without it, a rank sometimes aborted in gloo's teardown (SIGABRT, about
-        # once in ten passes of the suite; the cause is not pinned down)
+        # both ranks are refused together, so both can meet here and leave the group together
         torch_dist.barrier()
         torch_dist.destroy_process_group()
 
