@@ -104,10 +104,10 @@ def run_quietly(run_dir: Path, config: TrainConfig, model: ModelConfig = TRAIN_M
 def _then_exit(rank: int, worker, *args) -> None:
     """``worker(rank, *args)``, then the process ends without the interpreter's teardown.
 
-    A worker that returned has written all its test checks. Past that point a spawned
-    process of the suite has now and then aborted in torch ("terminate called without an
-    active exception", SIGABRT; never in 65 passes of its test alone, the cause not pinned
-    down), failing a test whose results were all written. What is left out is where Python
+    A worker that returned has written everything its test checks. Past that point a
+    spawned process of the suite once aborted in torch ("terminate called without an active
+    exception", SIGABRT; never in 65 passes of its test alone, the cause not pinned down),
+    failing a test whose results were all written. What is left out is where Python
     frees torch's objects, gloo's threads among them. An exception still reaches ``spawn``
     and fails the test."""
     import os
