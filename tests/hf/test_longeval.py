@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import ByT5Tokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from adaspan.attention.span import AdaptiveSpan
 from adaspan.cli import main
 from adaspan.errors import UserError
 from adaspan.hf import add_spans, head_windows, load_pretrained, save_model
@@ -184,6 +185,43 @@ def test_whole_layers_are_put_back_and_bad_ones_refused(spans_dir):
     for bad in ("2", "a", "0+-1"):
         with pytest.raises(UserError, match="full_layers"):
             cp.build_policy(f"spans:full_layers={bad}", model)
+
+
+def test_spans_with_head_windows(spans_dir):
+    """``windows`` at S on every head of layer 0 holds and answers as ``full_layers=0`` (the
+    prompts are shorter than S - R); one head's window sets what its key/value head holds."""
+    grid = le.Grid(("passkey",), (600,), (0.0, 1.0), samples=1)
+    whole = le.longeval(spans_dir, "kjv", grid, "spans:full_layers=0", FP32, progress=False)
+    heads = "+".join(f"0.{h}@{POSITIONS}" for h in range(4))
+    at_s = le.longeval(spans_dir, "kjv", grid, f"spans:windows={heads}", FP32, progress=False)
+    one = le.longeval(spans_dir, "kjv", grid, "spans:windows=0.1@200", FP32, progress=False)
+    learned = head_windows(load_pretrained(spans_dir))
+    kept = [200 - 1, max(learned[0][2:]) - 1, max(learned[1][:2]) - 1, max(learned[1][2:]) - 1]
+    for a, b, c in zip(at_s["prompts"], whole["prompts"], one["prompts"], strict=True):
+        assert a["output"] == b["output"] and a["kv_bytes"] == b["kv_bytes"]
+        assert c["kv_bytes"] == 2 * sum(kept) * D_HEAD * 4
+
+
+def test_a_head_window_is_exact_in_the_spans_precision():
+    """Every window in [R, S] where (W - R) / S rounds above W - R in float32 (S = 777)."""
+    span = AdaptiveSpan(4, 777, 13)
+    for window in range(13, 778):
+        with torch.no_grad():
+            span.z_frac[1] = cp.z_frac_of_window(span, window)
+        assert span.windows(None)[1] == window
+
+
+def test_head_windows_are_exact_put_back_and_bad_ones_refused(spans_dir):
+    model = load_pretrained(spans_dir)
+    learned = head_windows(model)
+    policy = cp.build_policy("spans:windows=1.2@300+0.0@8", model)
+    with policy.applied(100):
+        assert head_windows(model) == [[8, *learned[0][1:]],
+                                       [*learned[1][:2], 300, learned[1][3]]]
+    assert head_windows(model) == learned
+    for bad in ("0.0", "0@9", "2.0@9", "0.4@9", "0.0@7", f"0.0@{POSITIONS + 1}", "a.0@9"):
+        with pytest.raises(UserError, match="windows"):
+            cp.build_policy(f"spans:windows={bad}", model)
 
 
 def test_scores_of_right_wrong_and_partial_answers(plain_dir, monkeypatch):

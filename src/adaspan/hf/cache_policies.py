@@ -18,6 +18,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from ..attention.span import AdaptiveSpan, key_window
 from ..errors import UserError
 from .attention import span_modules
 from .span_cache import SpanCache
@@ -54,33 +55,39 @@ class FullPolicy(CachePolicy):
 
 
 class SpansPolicy(CachePolicy):
-    """``adaspan.hf.SpanCache``: per key/value head, the positions its spans can see. With
-    ``full_layers`` (layer numbers joined by ``+``, e.g. ``spans:full_layers=0+2``) the spans
-    of those layers are set to z = S for each prompt and put back after it: which layers' spans
-    cost an answer, and what keeping them whole would hold."""
+    """``adaspan.hf.SpanCache``: per key/value head, the positions its spans can see. Some
+    spans can be changed for each prompt and put back after it, to see which spans cost an
+    answer and what keeping more would hold: ``full_layers`` (layer numbers joined by ``+``,
+    e.g. ``spans:full_layers=0+2``) sets those layers' spans to z = S; ``windows``
+    (``LAYER.HEAD@WINDOW`` joined by ``+``, e.g. ``spans:windows=0.0@1024``) sets span HEAD of
+    layer LAYER (a key/value head's, with spans per key/value head) to z = WINDOW - R, so that
+    it holds WINDOW positions."""
 
-    def __init__(self, model: nn.Module, full_layers: str = "") -> None:
-        if not span_modules(model):
+    def __init__(self, model: nn.Module, full_layers: str = "", windows: str = "") -> None:
+        spans = span_modules(model)
+        if not spans:
             raise UserError("cache policy 'spans' needs a model with spans: a directory with "
                             f"{SETTINGS_FILE} (adaspan retrofit writes one)")
         super().__init__(model)
-        spans = span_modules(model)
-        self.whole = [spans[layer] for layer in layer_numbers(full_layers, len(spans))]
+        self.edits = [(spans[layer], slice(None), 1.0)
+                      for layer in layer_numbers(full_layers, len(spans))]
+        self.edits += head_windows_option(windows, spans)
 
     def cache(self, prompt_tokens: int) -> Cache:
         return SpanCache(self.model)
 
     @contextmanager
     def applied(self, prompt_tokens: int) -> Iterator[Cache]:
-        learned = [span.z_frac.detach().clone() for span in self.whole]
+        changed = list({id(span): span for span, _, _ in self.edits}.values())
+        learned = [span.z_frac.detach().clone() for span in changed]
         with torch.no_grad():
-            for span in self.whole:
-                span.z_frac.fill_(1.0)
+            for span, heads, z_frac in self.edits:
+                span.z_frac[heads] = z_frac
         try:
             yield self.cache(prompt_tokens)
         finally:
             with torch.no_grad():
-                for span, z_frac in zip(self.whole, learned, strict=True):
+                for span, z_frac in zip(changed, learned, strict=True):
                     span.z_frac.copy_(z_frac)
 
 
@@ -103,6 +110,33 @@ def layer_numbers(text: str, layers: int) -> list[int]:
     """The layer numbers of ``text`` (``0+2``), each in [0, ``layers``); else a UserError."""
     parts = [part for part in text.split("+") if part]
     return sorted({whole_option("spans", "full_layers", part, 0, layers - 1) for part in parts})
+
+
+def head_windows_option(text: str, spans: list[AdaptiveSpan]
+                        ) -> list[tuple[AdaptiveSpan, int, float]]:
+    """``(span, head, z')`` of each ``LAYER.HEAD@WINDOW`` in ``text`` (joined by ``+``):
+    z' = (WINDOW - R) / S, WINDOW in [R, S]; else a one-line UserError."""
+    edits = []
+    for part in (part for part in text.split("+") if part):
+        where, sep, window = part.partition("@")
+        layer, dot, head = where.partition(".")
+        if not sep or not dot:
+            raise UserError(f"cache policy 'spans': windows are LAYER.HEAD@WINDOW joined by +, "
+                            f"got {part!r}")
+        span = spans[whole_option("spans", "windows' layer", layer, 0, len(spans) - 1)]
+        h = whole_option("spans", "windows' head", head, 0, span.z_frac.numel() - 1)
+        w = whole_option("spans", "windows' window", window, span.ramp, span.max_span)
+        edits.append((span, h, z_frac_of_window(span, w)))
+    return edits
+
+
+def z_frac_of_window(span: AdaptiveSpan, window: int) -> float:
+    """z' = (``window`` - R) / S in ``span``'s precision, lowered where rounding up would
+    make the window min(S, ceil(S z' + R)) one more than ``window`` (in [R, S])."""
+    z_frac = torch.tensor((window - span.ramp) / span.max_span, dtype=span.z_frac.dtype)
+    while key_window((span.max_span * z_frac).item(), span.max_span, span.ramp) > window:
+        z_frac = torch.nextafter(z_frac, torch.zeros_like(z_frac))
+    return z_frac.item()
 
 
 POLICIES: dict[str, Callable[..., CachePolicy]] = {}
