@@ -10,10 +10,11 @@ import torch
 from helpers import tiny_hf
 from transformers import DynamicCache
 
+from adaspan.attention.span import exact_fraction
 from adaspan.errors import UserError
 from adaspan.hf import SpanCache, add_spans, cache_argument, kv_bytes, span_modules
 from adaspan.hf.cache_policies import build_policy
-from adaspan.hf.streaming import exact_fraction, hard_windows, streaming_windows
+from adaspan.hf.streaming import hard_windows, streaming_windows
 
 IDS = torch.randint(0, 64, (1, 70), generator=torch.Generator().manual_seed(6))
 

@@ -121,6 +121,19 @@ def key_window(z_max: float, max_span: int, ramp: float, bucket: int = 1) -> int
     return min(max_span, window)
 
 
+def exact_fraction(z: int, max_span: int) -> float:
+    """A float32 z' with S z' exactly ``z`` in float32 (so that the window ceil(S z' + R) is
+    z + R, not one more), the nearest below where none is exact."""
+    frac = torch.tensor(z / max_span, dtype=torch.float32)
+    for _ in range(64):
+        product = (max_span * frac).item()
+        if product == z or (product < z and (max_span * torch.nextafter(
+                frac, torch.tensor(1.0))).item() > z):
+            return frac.item()
+        frac = torch.nextafter(frac, torch.tensor(-1.0 if product > z else 1.0))
+    return frac.item()
+
+
 def windows_of(bounds: tuple[list[float], list[float]] | None, max_span: int, ramp: int,
                n_heads: int, bucket: int = 1) -> list[int]:
     """Keys each head can still see, :func:`key_window` of its greatest z, from

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from ..attention.span import AdaptiveSpan, key_window
+from ..attention.span import AdaptiveSpan, exact_fraction
 from ..errors import UserError
 from .attention import span_modules
 from .span_cache import SpanCache
@@ -115,7 +115,7 @@ def layer_numbers(text: str, layers: int) -> list[int]:
 def head_windows_option(text: str, spans: list[AdaptiveSpan]
                         ) -> list[tuple[AdaptiveSpan, int, float]]:
     """``(span, head, z')`` of each ``LAYER.HEAD@WINDOW`` in ``text`` (joined by ``+``):
-    z' = (WINDOW - R) / S, WINDOW in [R, S]; else a one-line UserError."""
+    S z' = WINDOW - R (:func:`exact_fraction`), WINDOW in [R, S]; else a one-line UserError."""
     edits = []
     for part in (part for part in text.split("+") if part):
         where, sep, window = part.partition("@")
@@ -126,17 +126,8 @@ def head_windows_option(text: str, spans: list[AdaptiveSpan]
         span = spans[whole_option("spans", "windows' layer", layer, 0, len(spans) - 1)]
         h = whole_option("spans", "windows' head", head, 0, span.z_frac.numel() - 1)
         w = whole_option("spans", "windows' window", window, span.ramp, span.max_span)
-        edits.append((span, h, z_frac_of_window(span, w)))
+        edits.append((span, h, exact_fraction(w - span.ramp, span.max_span)))
     return edits
-
-
-def z_frac_of_window(span: AdaptiveSpan, window: int) -> float:
-    """z' = (``window`` - R) / S in ``span``'s precision, lowered where rounding up would
-    make the window min(S, ceil(S z' + R)) one more than ``window`` (in [R, S])."""
-    z_frac = torch.tensor((window - span.ramp) / span.max_span, dtype=span.z_frac.dtype)
-    while key_window((span.max_span * z_frac).item(), span.max_span, span.ramp) > window:
-        z_frac = torch.nextafter(z_frac, torch.zeros_like(z_frac))
-    return z_frac.item()
 
 
 POLICIES: dict[str, Callable[..., CachePolicy]] = {}

@@ -18,26 +18,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..attention.span import AdaptiveSpan
+from ..attention.span import AdaptiveSpan, exact_fraction
 from ..errors import UserError
 from .attention import NAME, span_modules
 from .budget import position_bytes
 from .cache_policies import CachePolicy, register_policy, whole_option
 from .span_cache import SpanCache
 from .spans import add_spans, key_value_heads
-
-
-def exact_fraction(z: int, max_span: int) -> float:
-    """A float32 z' with S z' exactly ``z`` in float32 (so that the window is z + 1, not one
-    more), the nearest below where none is exact."""
-    frac = torch.tensor(z / max_span, dtype=torch.float32)
-    for _ in range(64):
-        product = (max_span * frac).item()
-        if product == z or (product < z and (max_span * torch.nextafter(
-                frac, torch.tensor(1.0))).item() > z):
-            return frac.item()
-        frac = torch.nextafter(frac, torch.tensor(-1.0 if product > z else 1.0))
-    return frac.item()
 
 
 def _window_span(windows: Sequence[int], max_span: int, sinks: int) -> AdaptiveSpan:
