@@ -18,6 +18,7 @@ import torch
 
 from adaspan.attention.registry import ATTENTIONS
 from adaspan.cli import main
+from adaspan.cli.options import json_line
 from adaspan.config import SECTIONS, ConfigError
 from adaspan.measure.generate import generate, stream
 from adaspan.run.checkpoint import load_model
@@ -276,6 +277,14 @@ def test_inspect_rounds_for_reading(run_dir, capsys):
     assert main(["inspect", str(run_dir), "--json"]) == 0
     spans = json.loads(capsys.readouterr().out)["spans"]
     assert all(round(span, 6) == span for layer in spans for span in layer)
+
+
+def test_json_floats_keep_six_decimals_and_six_significant_digits():
+    values = {"span_loss": 1.5e-8, "bpb": [1.23456789, 0.000123456789], "bytes": 1966336.0,
+              "steps": 3, "inf": float("inf"), "zero": 0.0}
+    assert json.loads(json_line(values)) == {
+        "span_loss": 1.5e-8, "bpb": [1.234568, 0.000123457], "bytes": 1966336.0, "steps": 3,
+        "inf": float("inf"), "zero": 0.0}
 
 
 @pytest.fixture

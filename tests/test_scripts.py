@@ -118,6 +118,7 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
     "retrofit_experiment.py": "tests/hf/test_retrofit.py",
     "evidence_model.py": "tests/hf/test_retrofit.py",
     "retrieval_budget.py": "tests/hf/test_retrofit_methods.py",
+    "span_objective.py": "tests/hf/test_retrofit_methods.py",
     "make_adaptive_io_fixture.py": (
         lambda tmp: [str(ANCHORS / "adaptive-span"), "--out", str(tmp / "out")],
         wrote("cases.json", "tied.safetensors", "tied.npy", "untied.npy")),

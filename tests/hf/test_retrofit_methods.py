@@ -1,10 +1,12 @@
 """What adaspan retrofit trains and on what: spans with sinks and a penalty per byte of cache,
-DuoAttention's gates (--method duo), retrieval prompts mixed into the windows, and a resumed
-run given more steps equal to one run of as many."""
+DuoAttention's gates (--method duo), retrieval prompts mixed into the windows, a resumed run
+given more steps equal to one run of as many, and the objective of spans as learned and as
+edited (``scripts/experiments/span_objective.py``)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -18,7 +20,7 @@ from transformers import AutoTokenizer
 from adaspan.cli import main
 from adaspan.errors import ConfigError
 from adaspan.hf import load_pretrained, span_modules
-from adaspan.hf.budget import cache_loss
+from adaspan.hf.budget import cache_loss, position_bytes
 from adaspan.hf.duo import read_gates
 from adaspan.hf.methods import METHODS, span_parameters, span_penalty
 from adaspan.hf.retrofit import Retrofit, full_attention, load_frozen, retrofit, span_losses
@@ -223,3 +225,39 @@ def test_retrieval_budget_scores_the_policies_asked_for(model_dir, tmp_path, cap
     with pytest.raises(SystemExit):
         script.parse_args([str(model_dir), "--data", "kjv", "--haystack", "kjv", "--out", "x",
                            "--policies", "spans,h2o"])
+
+
+def test_span_objective_script_scores_the_retrofit_s_own_loss(model_dir, tmp_path, capsys):
+    """The objective of learned and edited spans on the retrofit's batches after its steps:
+    the split into windows and prompts averages to the loss of the whole batch; the penalty
+    of a layer made whole grows by ln 2 lambda bytes per position (S - z) per key/value head;
+    every layer whole gives the frozen model's own distribution (KL 0); the spans are put
+    back; bad input is one line."""
+    config = options(model_dir, tmp_path / "spans", context=400, batch_size=4, steps=2,
+                     retrieval=0.5, per_kv_head=True, sinks=2, penalty="byte", span_loss=1e-4,
+                     lr=0.4)
+    run = retrofit(config, FP32, progress=False)
+    script = load_script("span_objective")
+    result = script.main([str(tmp_path / "spans"), "--steps", "2", "--edits",
+                          "spans:full_layers=0;spans:full_layers=0+1"])
+    assert json.loads(capsys.readouterr().out) == result
+    assert result["steps"] == [2, 3] and result["prompts"] == 2
+    learned, layer0, whole = result["policies"].values()
+    with torch.no_grad():  # the retrofit's loss of its whole batches, step by step
+        reference = [span_losses(run.model, run.original, *run.data.batch(step), config)
+                     for step in (2, 3)]
+    assert learned["kl"] == pytest.approx(sum(r["kl"].item() for r in reference) / 2, rel=1e-5)
+    assert learned["penalty"] == pytest.approx(reference[0]["penalty"].item(), rel=1e-6)
+    z = span_modules(run.model)[0].z().detach()
+    grown = math.log(2) * 1e-4 * position_bytes(run.model.config, 2) * (400 - z).sum().item()
+    assert layer0["change"]["penalty"] == pytest.approx(grown, rel=1e-5)
+    assert whole["kl"] == pytest.approx(0.0, abs=1e-6) and learned["kl"] > 1e-5, z
+    assert layer0["change"]["kl"] < 0 < layer0["change"]["penalty"]
+    assert layer0["total"] == pytest.approx(layer0["kl"] + layer0["penalty"])
+    saved = load_pretrained(tmp_path / "spans")
+    for a, b in zip(span_parameters(saved), span_parameters(run.model), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(SystemExit, match="spans cache policies"):
+        script.main([str(tmp_path / "spans"), "--steps", "1", "--edits", "full"])
+    with pytest.raises(SystemExit, match=r"^error: no retrofit settings"):
+        script.main([str(tmp_path), "--steps", "1"])

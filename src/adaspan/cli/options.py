@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 from dataclasses import fields
 from pathlib import Path
 
@@ -131,17 +132,20 @@ def positive_float(text: str) -> float:
 
 
 def json_line(values: object) -> str:
-    """``values`` as one line of JSON, floats rounded to 6 digits."""
+    """``values`` as one line of JSON, floats rounded as :func:`rounded` does."""
     return json.dumps(rounded(values))
 
 
 def rounded(values: object) -> object:
-    """Floats rounded to 6 digits, in dicts and lists too, for JSON output."""
+    """Floats to 6 decimal places, or to 6 significant digits where those are finer (a span
+    loss of 1.5e-8 stays 1.5e-8), in dicts and lists too, for JSON output."""
     if isinstance(values, dict):
         return {key: rounded(value) for key, value in values.items()}
     if isinstance(values, list | tuple):
         return [rounded(value) for value in values]
-    return round(values, 6) if isinstance(values, float) else values
+    if not isinstance(values, float) or values == 0 or not math.isfinite(values):
+        return values
+    return round(values, max(6, 5 - math.floor(math.log10(abs(values)))))
 
 
 def is_main_process() -> bool:
