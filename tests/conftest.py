@@ -64,3 +64,13 @@ def toy_attention():
         yield name
     finally:
         ATTENTIONS.pop(name, None)
+
+
+@pytest.fixture(params=["one group", "a group per window"])
+def span_groups(request, monkeypatch) -> str:
+    """``SpanCache`` layers handing the attention all their heads at once (groups costing more
+    than any padding), or one group per window of key/value heads (groups costing nothing)."""
+    from adaspan.hf import span_cache
+
+    monkeypatch.setattr(span_cache, "PART_BYTES", 0 if request.param != "one group" else 1e18)
+    return request.param

@@ -38,7 +38,7 @@ def greedy(model, cache):
 
 
 @pytest.mark.parametrize("kind", HF_KINDS)
-def test_truncated_cache_generates_what_the_full_cache_does(kind):
+def test_truncated_cache_generates_what_the_full_cache_does(kind, span_groups):
     model = add_spans(tiny_hf(kind), max_span=64, ramp=4)
     for span, row in zip(span_modules(model), [[5, 9, 17, 12], [6, 6, 8, 20]], strict=True):
         span.set_spans(torch.tensor(row, dtype=torch.float32))
@@ -54,6 +54,9 @@ def test_truncated_cache_generates_what_the_full_cache_does(kind):
     assert [tuple(layer.keys.shape) for layer in cache.layers] == [(1, n, 8) for n in held]
     assert cache.get_seq_length() == PROMPT.shape[1] + NEW - 1
     assert kv_bytes(cache) == sum(held) * 2 * 8 * 4  # keys and values of 8 fp32 each
+    groups = [len(layer.groups) for layer in cache.layers]
+    assert groups == ([1, 1] if span_groups == "one group" else [4, 3] if kind == "gpt2"
+                      else [2, 2])
 
 
 def test_spans_covering_the_context_generate_what_the_model_without_spans_does():
@@ -77,7 +80,7 @@ def test_the_cache_holds_no_more_than_the_window_however_long_the_text():
 
 @pytest.mark.parametrize("spans,padded", [([5.0, 30.0, 9.0, 12.0], False),
                                           ([28.0, 30.0, 29.0, 27.0], True)])
-def test_beam_search_reorders_the_kept_positions(spans, padded):
+def test_beam_search_reorders_the_kept_positions(spans, padded, span_groups):
     """Key/value heads of windows 30 and 12 keep their own; of 30 and 29, both the longest
     (one padding position per 57 kept, under ``PADDED_WASTE``)."""
     model = add_spans(tiny_hf("qwen2"), max_span=64, ramp=4, init=0.1)
@@ -186,3 +189,35 @@ def test_the_speed_script_reads_a_saved_model(tmp_path):
     assert line["full_kv_bytes"] == 2 * 2 * 63 * per_position  # layers, key/value heads
     assert line["span_kv_bytes"] == 2 * (9 + 19) * per_position  # windows 10 and 20, less one
     assert line["model"] == str(tmp_path / "model") and line["spans"] is None
+
+
+def partitions(items):
+    """Every split of ``items`` into groups."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for split in partitions(rest):
+        yield [(first,), *split]
+        for i, group in enumerate(split):
+            yield [*split[:i], (first, *group), *split[i + 1:]]
+
+
+@pytest.mark.parametrize("part_rows", [0, 100, 1000, 1e9])
+def test_pad_groups_read_the_fewest_positions_of_any_split(part_rows):
+    """Against every split of the heads: a group costs ``part_rows`` and its longest window
+    for each head; every head in one group, in order."""
+    from adaspan.hf.span_cache import pad_groups
+
+    def cost(groups):
+        return sum(part_rows + len(g) * max(kept[h] for h in g) for g in groups)
+
+    rng = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        kept = torch.randint(0, 3000, (5,), generator=rng).tolist()
+        groups = pad_groups(kept, part_rows)
+        assert sorted(h for g in groups for h in g) == list(range(5))
+        assert all(list(g) == sorted(g) for g in groups) and list(groups) == sorted(groups)
+        assert cost(groups) == min(cost(split) for split in partitions(list(range(5))))
+    assert pad_groups([4095, 162], 1024) == ((0,), (1,))
+    assert pad_groups([730, 613], 1024) == ((0, 1),)

@@ -76,7 +76,7 @@ def greedy(model, cache, prompt):
 
 @pytest.mark.parametrize("kind", HF_KINDS)
 @pytest.mark.parametrize("prompt", [2, 50])
-def test_span_cache_with_sinks_generates_what_the_full_cache_does(kind, prompt):
+def test_span_cache_with_sinks_generates_what_the_full_cache_does(kind, prompt, span_groups):
     """Prompts shorter and longer than the sinks; the cache holds each key/value head's
     window - 1 positions and the sinks."""
     model = with_sinks(kind)
@@ -94,7 +94,7 @@ def test_span_cache_with_sinks_generates_what_the_full_cache_does(kind, prompt):
     assert kv_bytes(cache) == (sum(held) + 2 * 3 * heads) * 2 * 8 * 4
 
 
-def test_sinks_per_key_value_head_and_beam_search():
+def test_sinks_per_key_value_head_and_beam_search(span_groups):
     model = with_sinks("qwen2", sinks=2, per_kv_head=True)
     options = dict(max_new_tokens=10, min_new_tokens=10, num_beams=3, do_sample=False)
     prompt = IDS[:1, :40]
@@ -123,33 +123,41 @@ def test_bad_sinks_and_padding_are_refused():
         model(IDS, attention_mask=mask)
 
 
-def naive_join_indices(lengths, kept, seen, before, after, M):
-    """The rows of [held; new] SpanLayer joins and keeps, one position at a time: per head
-    its sinks (held or new), padding (the head's first new row), its window, its new rows;
-    then the sinks of every head and the last kept positions of each head's block."""
-    H, L = len(lengths), max(lengths)
-    held, width = H * before + sum(lengths), after + L + M
-    spread, sinks, windows, offset = [], [], [], H * before
-    for g, n in enumerate(lengths):
-        first_new = held + g * M
-        spread += [g * before + p if p < before else first_new + p - seen for p in range(after)]
-        spread += [first_new] * (L - n) + list(range(offset, offset + n))
-        spread += range(first_new, first_new + M)
-        sinks += range(g * width, g * width + after)
-        windows += range(g * width + after + max(0, L + M - kept[g]), (g + 1) * width)
-        offset += n
-    return spread, sinks + windows
+def naive_join_indices(lengths, kept, groups, seen, before, after, M):
+    """The rows of [held; new] SpanLayer joins and keeps, one position at a time: group after
+    group, per head its sinks (held or new), padding to the group's longest (the head's first
+    new row), its window, its new rows; then the sinks of every head and the last kept
+    positions of each head's block; and each group's rows."""
+    H = len(lengths)
+    held = H * before + sum(lengths)
+    spread, block, bounds = [], {}, []
+    for heads in groups:
+        L, start = max(lengths[g] for g in heads), len(spread)
+        for g in heads:
+            n, first_new, window = lengths[g], held + g * M, H * before + sum(lengths[:g])
+            block[g] = (len(spread), after + L + M)
+            spread += [g * before + p if p < before else first_new + p - seen
+                       for p in range(after)]
+            spread += [first_new] * (L - n) + list(range(window, window + n))
+            spread += range(first_new, first_new + M)
+        bounds.append((start, len(spread)))
+    sinks = [r for g in range(H) for r in range(block[g][0], block[g][0] + after)]
+    windows = [r for g in range(H)
+               for r in range(sum(block[g]) - min(kept[g], block[g][1] - after), sum(block[g]))]
+    return spread, sinks + windows, tuple(bounds)
 
 
-@pytest.mark.parametrize(("kept", "seen", "sinks", "M"), [
-    ((7, 3), 0, 2, 5), ((7, 3), 1, 4, 1), ((7, 3), 5, 2, 1), ((40, 12, 25), 30, 4, 1),
-    ((40, 12, 25), 60, 4, 3), ((9, 9), 2, 0, 1), ((9, 9), 20, 0, 2)])
-def test_span_layer_join_indices_match_the_naive_ones(kept, seen, sinks, M):
+@pytest.mark.parametrize(("kept", "groups", "seen", "sinks", "M"), [
+    ((7, 3), ((0, 1),), 0, 2, 5), ((7, 3), ((0,), (1,)), 1, 4, 1), ((7, 3), ((0, 1),), 5, 2, 1),
+    ((40, 12, 25), ((0, 1, 2),), 30, 4, 1), ((40, 12, 25), ((0, 2), (1,)), 60, 4, 3),
+    ((40, 12, 25, 3), ((0,), (1, 3), (2,)), 60, 0, 1), ((9, 9), ((0, 1),), 2, 0, 1),
+    ((9, 9), ((0,), (1,)), 20, 0, 2)])
+def test_span_layer_join_indices_match_the_naive_ones(kept, groups, seen, sinks, M):
     from adaspan.hf.span_cache import _join_indices
 
     lengths = tuple(min(n, seen) for n in kept)
     before, after = min(sinks, seen), min(sinks, seen + M)
-    spread, keep = _join_indices(lengths, list(kept), seen, before, after, M,
-                                 torch.device("cpu"))
-    assert (spread.tolist(), keep.tolist()) == naive_join_indices(
-        lengths, kept, seen, before, after, M)
+    spread, keep, bounds = _join_indices(lengths, list(kept), groups, seen, before, after, M,
+                                         torch.device("cpu"))
+    assert (spread.tolist(), keep.tolist(), bounds) == naive_join_indices(
+        lengths, kept, groups, seen, before, after, M)

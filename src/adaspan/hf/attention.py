@@ -81,8 +81,7 @@ def attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if span is None:
         raise UserError(f"{type(module).__name__} has no span: attach them with "
                         "adaspan.hf.add_spans(model) (or load with adaspan.hf.load_pretrained)")
-    parts, order = span.__dict__.pop("parts", None) or (
-        (Part(None, key, value, handed=span.__dict__.pop("handed", None)),), None)
+    parts, order = span.__dict__.pop("parts", None) or ((Part(None, key, value),), None)
     log_mask = None if torch.is_grad_enabled() else decode_mask(span, query)
     outs = [_attend(module, span, query, part, log_mask, attention_mask, scaling, dropout,
                     kwargs) for part in parts]

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
+from ..attention.core import HeadGroup, HeadLayout, head_index
 from ..errors import UserError
-from .attention import attached_spans, per_query_head
+from .attention import Part, attached_spans, per_query_head
 from .support import layer_states
 
 
@@ -55,37 +57,42 @@ def windows(model: nn.Module) -> list[int]:
 
 
 PADDED_WASTE = 1 / 8  # the most padding, per position kept, of a layer held as one window
+PART_BYTES = 1 << 18  # what handing the attention one more group of heads costs, in bytes read
 
 
 class SpanLayer(DynamicSlidingWindowLayer):
     """The keys and values of one layer: key/value head g keeps its last ``kept[g]`` positions,
     and the sequence's first ``sinks`` positions where the span has sinks, all heads side by
     side in one tensor (B, rows, d) so that transformers' batch operations (beam search's
-    reordering, selecting rows) apply unchanged. ``update`` hands the attention
-    (B, Hkv, sinks + L + M, d), L the longest kept, shorter heads padded after the sinks with
-    copies of their newest key (finite; beyond every window of the head, so weighed 0), and
-    tells the span how many sinks lead (``span.handed``).
+    reordering, selecting rows) apply unchanged. ``update`` hands the attention, per group of
+    key/value heads (``span.parts``; :func:`pad_groups`), (B, h, sinks + L + M, d), L the
+    group's longest kept, its shorter heads padded after the sinks with copies of their newest
+    key (finite; beyond every window of the head, so weighed 0).
 
-    Without sinks, where padding every head to L holds at most ``PADDED_WASTE`` more positions
-    than the heads keep (``padded``: key/value heads of near spans), the layer keeps
-    (B, Hkv, L, d) instead, transformers' sliding window of L + 1: one concatenation per
-    update, no join."""
+    Without sinks, where padding every head to the layer's longest holds at most
+    ``PADDED_WASTE`` more positions than the heads keep (``padded``: key/value heads of near
+    spans), the layer keeps (B, Hkv, L, d) instead, transformers' sliding window of L + 1: one
+    concatenation per update, no join."""
 
-    def __init__(self, query_windows: list[int], span: nn.Module | None = None) -> None:
+    def __init__(self, query_windows: list[int], span: nn.Module) -> None:
         super().__init__(sliding_window=max(query_windows))
         self.query_windows = query_windows
         self.span, self.sinks = span, getattr(span, "sinks", 0)
         self.kept: list[int] = []  # positions kept per key/value head, set by the first update
-        self._index_cache: tuple = ()  # (lengths, M, device), then the indices of the last join
+        self._index_cache: tuple = ()  # the key of the last join, its indices and group rows
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor | None = None
                             ) -> None:
         super().lazy_initialization(*layer_states(key_states, value_states))
-        kv_heads = key_states.shape[1]
+        B, kv_heads, _, d = key_states.shape
         self.kept = [w - 1 for w in kv_head_windows(self.query_windows, kv_heads)]
         longest = max(self.kept)
         self.padded = (not self.sinks
                        and 0 < kv_heads * longest <= (1 + PADDED_WASTE) * sum(self.kept))
+        row_bytes = 2 * B * d * key_states.element_size()  # a position's key and value
+        self.groups = pad_groups(self.kept, PART_BYTES / row_bytes)
+        self.layout = _layout(self.groups, self.kept, len(self.query_windows) // kv_heads,
+                              key_states.device)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
@@ -97,60 +104,108 @@ class SpanLayer(DynamicSlidingWindowLayer):
         self.cumulative_length += key_states.shape[-2]
         keys, self.keys = self._join(self.keys, key_states, seen)
         values, self.values = self._join(self.values, value_states, seen)
-        if self.sinks:
-            self.span.handed = (min(self.sinks, self.cumulative_length), seen)
-        return keys, values
+        handed = (min(self.sinks, self.cumulative_length), seen) if self.sinks else None
+        B, d = keys.shape[0], keys.shape[-1]
+        parts = tuple(Part(None if len(self.groups) == 1 else group,
+                           *(t[:, first:last].view(B, len(heads), -1, d) for t in (keys, values)),
+                           handed=handed)
+                      for group, heads, (first, last) in zip(self.layout.groups, self.groups,
+                                                             self._index_cache[3], strict=True))
+        self.span.parts = (parts, self.layout.order)
+        return self.keys, self.values
 
     def _join(self, held: Tensor, new: Tensor, seen: int) -> tuple[Tensor, Tensor]:
-        """(the held positions and ``new`` per head, padded: (B, Hkv, sinks + L + M, d); what
-        each head keeps of them, side by side), by two index operations (:meth:`_indices`)."""
+        """(the held positions and ``new`` per head, each group's heads padded to its longest,
+        group after group: (B, rows, d); what each head keeps of them, side by side), by two
+        index operations (:meth:`_indices`)."""
         B, H, M, d = new.shape
         lengths = tuple(min(n, seen) for n in self.kept)
         spread, keep = self._indices(lengths, seen, M, new.device)
         rows = H * min(self.sinks, seen) + sum(lengths)
         parts = [held, new.reshape(B, H * M, d)] if rows else [new.reshape(B, H * M, d)]
-        joined = torch.cat(parts, dim=1).index_select(1, spread).view(B, H, -1, d)
-        return joined, joined.view(B, -1, d).index_select(1, keep)
+        joined = torch.cat(parts, dim=1).index_select(1, spread)
+        return joined, joined.index_select(1, keep)
 
     def _indices(self, lengths: tuple[int, ...], seen: int, M: int, device: torch.device
                  ) -> tuple[Tensor, Tensor]:
-        """Rows of [held; new] for each head's sinks + L + M positions (held: every head's
-        sinks, then each head's window; padding: a row of its own, finite, beyond every
-        query's window), and the rows kept: the sinks, then those of the windows (the same
-        every token once the windows are full)."""
+        """Rows of [held; new] for each head's sinks + L + M positions, L its group's longest
+        (held: every head's sinks, then each head's window; padding: a row of its own, finite,
+        beyond every query's window), and the rows kept: the sinks, then those of the windows
+        (the same every token once the windows are full, so kept from the last call, with each
+        group's first and last row joined)."""
         before, after = min(self.sinks, seen), min(self.sinks, seen + M)
         key = (lengths, before, after, M, device)
         if self._index_cache[:1] != (key,):
-            self._index_cache = (key, *_join_indices(lengths, self.kept, seen, before, after,
-                                                     M, device))
-        return self._index_cache[1:]
+            self._index_cache = (key, *_join_indices(lengths, self.kept, self.groups, seen,
+                                                     before, after, M, device))
+        return self._index_cache[1:3]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise UserError("SpanCache keeps no positions to roll back to (assisted decoding): "
                         "use a DynamicCache")
 
 
-def _join_indices(lengths: tuple[int, ...], kept: list[int], seen: int, before: int,
-                  after: int, M: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def pad_groups(kept: list[int], part_rows: float) -> tuple[tuple[int, ...], ...]:
+    """The key/value heads (their index, in order within a group) handed to the attention in one
+    group, each group padded to its longest ``kept``: the split of the heads sorted by ``kept``
+    into runs that reads the fewest positions, a group costing as many as ``part_rows`` more
+    (handing the attention one more group of heads); groups in the order of their first head."""
+    order = sorted(range(len(kept)), key=lambda g: -kept[g])
+    best: list[tuple[float, int]] = [(0.0, 0)]  # (cost of the first i heads, start of the last)
+    for i in range(1, len(order) + 1):
+        best.append(min((best[j][0] + part_rows + (i - j) * kept[order[j]], j)
+                        for j in range(i)))
+    groups, i = [], len(order)
+    while i:
+        j = best[i][1]
+        groups.append(tuple(sorted(order[j:i])))
+        i = j
+    return tuple(sorted(groups))
+
+
+def _layout(groups: tuple[tuple[int, ...], ...], kept: list[int], group_size: int,
+            device: torch.device) -> HeadLayout:
+    """The query heads of each group of key/value heads, and the order putting the groups'
+    outputs back in head order."""
+    head_groups = []
+    for heads in groups:
+        members = [h * group_size + i for h in heads for i in range(group_size)]
+        head_groups.append(HeadGroup(max(kept[h] for h in heads) + 1, tuple(members),
+                                     head_index(members, device), head_index(heads, device)))
+    order = [h for group in head_groups for h in group.members]
+    inverse = None if order == sorted(order) else torch.tensor(order, device=device).argsort()
+    return HeadLayout(tuple(head_groups), inverse, max(kept) + 1, device)
+
+
+def _join_indices(lengths: tuple[int, ...], kept: list[int], groups: tuple[tuple[int, ...], ...],
+                  seen: int, before: int, after: int, M: int, device: torch.device
+                  ) -> tuple[Tensor, Tensor, tuple[tuple[int, int], ...]]:
     """:meth:`SpanLayer._indices` for heads holding ``lengths`` positions of their windows
     (``kept``) after ``seen``, ``before`` sinks held and ``after`` once the ``M`` new
-    positions are in: a few tensor operations per head, so that a layer whose windows are
-    still filling (its lengths change every token) pays little for them."""
-    H, L = len(lengths), max(lengths)
-    held, width = H * before + sum(lengths), after + L + M
-    spread, keep, offset = [], [], H * before
+    positions are in, joined group by group (``groups``): a few tensor operations per head,
+    so that a layer whose windows are still filling (its lengths change every token) pays
+    little for them."""
+    H = len(lengths)
+    held = H * before + sum(lengths)
+    windows = list(itertools.accumulate(lengths, initial=H * before))  # each head's first row
+    spread, bounds, first, width = [], [], [0] * H, [0] * H
     p = torch.arange(after, device=device)
-    for g, n in enumerate(lengths):
-        first_new = held + g * M
-        spread += [torch.where(p < before, g * before + p, first_new + p - seen),
-                   torch.full((L - n,), first_new, device=device),
-                   torch.arange(offset, offset + n, device=device),
-                   torch.arange(first_new, first_new + M, device=device)]
-        keep += [torch.arange(g * width, g * width + after, device=device)]
-        offset += n
-    windows = [torch.arange(g * width + after + max(0, L + M - kept[g]), (g + 1) * width,
-                            device=device) for g in range(H)]
-    return torch.cat(spread), torch.cat(keep + windows)
+    row = 0
+    for heads in groups:
+        L, start = max(lengths[g] for g in heads), row
+        for g in heads:
+            n, first_new = lengths[g], held + g * M
+            spread += [torch.where(p < before, g * before + p, first_new + p - seen),
+                       torch.full((L - n,), first_new, device=device),
+                       torch.arange(windows[g], windows[g] + n, device=device),
+                       torch.arange(first_new, first_new + M, device=device)]
+            first[g], width[g] = row, after + L + M
+            row += width[g]
+        bounds.append((start, row))
+    keep = [torch.arange(first[g], first[g] + after, device=device) for g in range(H)]
+    keep += [torch.arange(first[g] + after + max(0, width[g] - after - kept[g]),
+                          first[g] + width[g], device=device) for g in range(H)]
+    return torch.cat(spread), torch.cat(keep), tuple(bounds)
 
 
 class SpanCache(DynamicCache):
