@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from ..attention.core import HeadGroup, HeadLayout, head_index
+from ..attention.core import HeadLayout
 from ..errors import UserError
 from .attention import Part, attached_spans, per_query_head
 from .support import layer_states
@@ -90,9 +90,13 @@ class SpanLayer(DynamicSlidingWindowLayer):
         self.padded = (not self.sinks
                        and 0 < kv_heads * longest <= (1 + PADDED_WASTE) * sum(self.kept))
         row_bytes = 2 * B * d * key_states.element_size()  # a position's key and value
-        self.groups = pad_groups(self.kept, PART_BYTES / row_bytes)
-        self.layout = _layout(self.groups, self.kept, len(self.query_windows) // kv_heads,
-                              key_states.device)
+        padded_to = {h: max(self.kept[g] for g in group) + 1
+                     for group in pad_groups(self.kept, PART_BYTES / row_bytes) for h in group}
+        G = len(self.query_windows) // kv_heads
+        self.layout = HeadLayout.of([padded_to[h] for h in range(kv_heads) for _ in range(G)],
+                                    key_states.device, G)
+        self.groups = tuple(tuple(h // G for h in group.members[::G])
+                            for group in self.layout.groups)  # their key/value heads
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
@@ -110,7 +114,7 @@ class SpanLayer(DynamicSlidingWindowLayer):
                            *(t[:, first:last].view(B, len(heads), -1, d) for t in (keys, values)),
                            handed=handed)
                       for group, heads, (first, last) in zip(self.layout.groups, self.groups,
-                                                             self._index_cache[3], strict=True))
+                                                             self._group_rows, strict=True))
         self.span.parts = (parts, self.layout.order)
         return self.keys, self.values
 
@@ -140,6 +144,11 @@ class SpanLayer(DynamicSlidingWindowLayer):
                                                      before, after, M, device))
         return self._index_cache[1:3]
 
+    @property
+    def _group_rows(self) -> tuple[tuple[int, int], ...]:
+        """Each group's first and last row in the last join."""
+        return self._index_cache[3]
+
     def crop(self, tokens_to_remove: int) -> None:
         raise UserError("SpanCache keeps no positions to roll back to (assisted decoding): "
                         "use a DynamicCache")
@@ -161,20 +170,6 @@ def pad_groups(kept: list[int], part_rows: float) -> tuple[tuple[int, ...], ...]
         groups.append(tuple(sorted(order[j:i])))
         i = j
     return tuple(sorted(groups))
-
-
-def _layout(groups: tuple[tuple[int, ...], ...], kept: list[int], group_size: int,
-            device: torch.device) -> HeadLayout:
-    """The query heads of each group of key/value heads, and the order putting the groups'
-    outputs back in head order."""
-    head_groups = []
-    for heads in groups:
-        members = [h * group_size + i for h in heads for i in range(group_size)]
-        head_groups.append(HeadGroup(max(kept[h] for h in heads) + 1, tuple(members),
-                                     head_index(members, device), head_index(heads, device)))
-    order = [h for group in head_groups for h in group.members]
-    inverse = None if order == sorted(order) else torch.tensor(order, device=device).argsort()
-    return HeadLayout(tuple(head_groups), inverse, max(kept) + 1, device)
 
 
 def _join_indices(lengths: tuple[int, ...], kept: list[int], groups: tuple[tuple[int, ...], ...],
