@@ -25,7 +25,8 @@ from adaspan.hf.needles import (
 
 # every statement a task hides, whatever its values (the templates of adaspan.hf.needles)
 STATEMENT = re.compile(r"Here is the pass key: \d+\. Keep \d+ in mind\.|(The|One) special magic "
-                       r"number for [a-z]+-[a-z]+ is \d+\.|VAR [A-Z]+ = \w+\.")
+                       r"number for [a-z]+-[a-z]+ is \d+\.|VAR [A-Z]+ = \w+\.|"
+                       r"Here is the pass key: [a-z ]+\. Keep it in mind\.")
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +57,9 @@ def count(haystack: Haystack, text: str) -> int:
     return len(haystack.count_ids(text))
 
 
-def test_the_five_tasks_are_registered():
+def test_the_six_tasks_are_registered():
     assert list(TASKS) == ["passkey", "single_needle", "multi_key", "multi_value",
-                           "variable_tracking"]
+                           "variable_tracking", "word_passkey"]
 
 
 @pytest.mark.parametrize("length", [600, 2048])
@@ -122,6 +123,10 @@ def test_what_each_task_hides_and_asks(haystack):
     passkey = make("passkey", haystack, 1000, 0.5, 3)
     assert re.fullmatch(r"\d{5}", passkey.answers[0]) and passkey.needle.count(
         passkey.answers[0]) == 2
+    words = make("word_passkey", haystack, 1000, 0.5, 3)
+    [key] = words.answers
+    assert re.fullmatch(r"[a-z]+( [a-z]+){7}", key) and words.prompt.count(key) == 1
+    assert words.needle == f"Here is the pass key: {key}. Keep it in mind."
 
 
 def test_exact_scoring():
@@ -132,6 +137,10 @@ def test_exact_scoring():
     assert found(" 4, 3; 2 and 1", ("1", "2", "3", "4"))  # every value, in any order
     assert not found(" 4, 3 and 2", ("1", "2", "3", "4"))  # a partial multi-value answer
     assert found("VAR ABCDE, VAR FGHIJ", ("FGHIJ", "ABCDE")) and not found("ABCDEF", ("ABCDE",))
+    assert found(" kilo lima alpha.", ("kilo lima alpha",))  # a value of words: in a row
+    assert found(" kilo, lima, alpha", ("kilo lima alpha",))
+    assert not found(" kilo alpha lima", ("kilo lima alpha",))  # in another order
+    assert not found(" kilo lima", ("kilo lima alpha",)) and not found("", ("kilo",))
 
 
 def test_a_short_haystack_is_read_again_from_its_start(haystack):

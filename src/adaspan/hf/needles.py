@@ -11,10 +11,13 @@ statements and the same stretch of haystack at every length and depth.
 * ``multi_key``: four magic numbers for four keys, one of them asked for;
 * ``multi_value``: four magic numbers for one key, all of them asked for;
 * ``variable_tracking``: a chain of assignments (VAR A = 12345, VAR B = A, ...) and a second
-  chain of another value; every variable of the first chain asked for.
+  chain of another value; every variable of the first chain asked for;
+* ``word_passkey``: a pass key of 8 words of the NATO alphabet, written once (DuoAttention's
+  training prompts hide such keys, of 32 words).
 
-A value is found in a model's continuation when it is one of its words, a word being a maximal
-run of letters and digits (:func:`found`); a prompt is answered when every value is found.
+A value is found in a model's continuation when its words are words of it in a row, a word
+being a maximal run of letters and digits (:func:`found`); a prompt is answered when every value
+is found.
 """
 
 from __future__ import annotations
@@ -122,11 +125,21 @@ def _find(ids: list[int], part: list[int]) -> int:
     return next((i for i in range(len(ids)) if ids[i : i + len(part)] == part), 0)
 
 
+def _words(text: str) -> list[str]:
+    """The words of ``text``: its maximal runs of letters and digits."""
+    return re.findall(r"[^\W_]+", text)
+
+
 def found(continuation: str, answers: tuple[str, ...] | list[str]) -> bool:
-    """Whether every value of ``answers`` is a word of ``continuation``: a maximal run of
-    letters and digits (``12345`` is found in ``is 12345.``, not in ``123456``)."""
-    words = set(re.findall(r"[^\W_]+", continuation))
-    return all(answer in words for answer in answers)
+    """Whether the words of every value of ``answers`` are words of ``continuation`` in a row
+    (``12345`` is found in ``is 12345.``, not in ``123456``; ``kilo lima`` in ``kilo, lima``,
+    not in ``lima kilo``)."""
+    words = _words(continuation)
+
+    def within(value: list[str]) -> bool:
+        return any(words[i : i + len(value)] == value for i in range(len(words)))
+
+    return all(within(_words(answer)) for answer in answers)
 
 
 TASKS: dict[str, Callable[[Haystack, int, float, int], Sample]] = {}
@@ -275,6 +288,20 @@ def passkey(rng: random.Random) -> Needles:
                    (f"Here is the pass key: {key}. Keep {key} in mind.",))
 
 
+_NATO = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
+         "juliett", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
+         "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu")
+KEY_WORDS = 8  # words of a word_passkey
+
+
+def word_passkey(rng: random.Random) -> Needles:
+    key = " ".join(rng.choices(_NATO, k=KEY_WORDS))
+    return Needles("A pass key of words is hidden in the long text below. Find it and remember "
+                   "it: you will be asked for it after the text.",
+                   "What is the pass key? The pass key is", (key,),
+                   (f"Here is the pass key: {key}. Keep it in mind.",))
+
+
 def single_needle(rng: random.Random) -> Needles:
     [key], [value] = _keys(rng, 1), _numbers(rng, 1, 7)
     return Needles(_MAGIC, f"What is the special magic number for {key}? The special magic "
@@ -316,5 +343,5 @@ def variable_tracking(rng: random.Random) -> Needles:
                    (chain(names[MULTI:], other),))
 
 
-for _task in (passkey, single_needle, multi_key, multi_value, variable_tracking):
+for _task in (passkey, single_needle, multi_key, multi_value, variable_tracking, word_passkey):
     register_task(_task.__name__, _task)
