@@ -30,7 +30,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 LOSSES = ("distill", "lm", "both")  # what adaspan retrofit trains the spans on
 PENALTIES = ("head", "byte")  # adaspan retrofit's span_loss: lambda / M per head, or per byte
 RETROFIT_OPTIMIZERS = ("adam", "sgd")  # what steps adaspan retrofit's trained tensors
-RETRIEVAL_LOSSES = ("answer", "all")  # the positions of a retrieval prompt the loss scores
+RETRIEVAL_LOSSES = ("answer", "answer_sum", "all")  # what of a retrieval prompt the loss scores
 
 
 class LiveNames(Collection):
@@ -436,7 +436,7 @@ class RetrofitConfig:
     retrieval_tasks: str = "passkey"  # their tasks (adaspan.hf.needles), comma-separated
     streaming_window: int = 256  # duo: the recent positions a streaming head reads
     optimizer: str = "adam"  # Adam, or plain SGD: a step in proportion to the gradient
-    retrieval_loss: str = "answer"  # a retrieval prompt's loss: its answer, or every position
+    retrieval_loss: str = "answer"  # a retrieval prompt's loss: its answer (mean or sum), or all
     retrieval_far: float = 0.0  # share of retrieval prompts with the needle in the first tenth
 
     def __post_init__(self) -> None:

@@ -70,7 +70,7 @@ def test_the_first_step_moves_z_by_the_optimizer_s_rule(model_dir, tmp_path, opt
 
 @pytest.mark.parametrize(("name", "message"), [
     ("optimizer", "optimizer must be one of adam, sgd, got 'lbfgs'"),
-    ("retrieval_loss", "retrieval_loss must be one of answer, all, got 'lbfgs'")])
+    ("retrieval_loss", "retrieval_loss must be one of answer, answer_sum, all, got 'lbfgs'")])
 def test_an_unknown_choice_is_refused(model_dir, tmp_path, name, message):
     with pytest.raises(ConfigError, match=message):
         options(model_dir, tmp_path / "out", **{name: "lbfgs"})

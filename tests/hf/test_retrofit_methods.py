@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("llama"), positions=400)
 
 
-@pytest.mark.parametrize("retrieval_loss", ["answer", "all"])
+@pytest.mark.parametrize("retrieval_loss", ["answer", "answer_sum", "all"])
 def test_retrieval_prompts_replace_the_last_windows(model_dir, tmp_path, retrieval_loss):
     config = options(model_dir, tmp_path, context=400, batch_size=4, retrieval=0.5,
                      retrieval_tasks="passkey,single_needle", retrieval_loss=retrieval_loss)
@@ -50,10 +50,12 @@ def test_retrieval_prompts_replace_the_last_windows(model_dir, tmp_path, retriev
         value = text.rsplit(" ", 1)[-1].rstrip(".")  # the answer, after the question
         assert value.isdigit() and text.count(value) >= 2  # where it was hidden, and answered
         if retrieval_loss == "all":
-            assert row_scored.all()
+            assert (row_scored == 1).all()
         else:  # exactly the positions whose next token is the answer's
-            predicted = row[1:][row_scored[:-1]]
+            predicted = row[1:][row_scored[:-1] > 0]
             assert tokenizer.decode(predicted).strip() == f"{value}." and not row_scored[-1]
+            weight = len(predicted) if retrieval_loss == "answer_sum" else 1  # sum, or mean
+            assert set(row_scored[row_scored > 0].tolist()) == {weight}
     assert not torch.equal(x[2:], data.batch(4)[0][2:])
 
 
@@ -80,6 +82,7 @@ def test_retrieval_far_puts_the_needles_in_the_haystack_s_first_tenth(model_dir,
 
 @pytest.mark.parametrize("loss", ["distill", "lm"])
 def test_the_loss_is_a_mean_over_rows_of_each_row_s_scored_positions(model_dir, tmp_path, loss):
+    """Each row's term: the mean over its scored positions times their weight."""
     config = options(model_dir, tmp_path, loss=loss, span_loss=0.0)
     model, _ = load_frozen(str(model_dir))
     original = model.config._attn_implementation
@@ -88,8 +91,10 @@ def test_the_loss_is_a_mean_over_rows_of_each_row_s_scored_positions(model_dir, 
         for param in span_parameters(model):
             param.fill_(0.02)  # spans shorter than the context: student and teacher differ
     x = torch.randint(0, model.config.vocab_size, (3, config.context))
-    scored = torch.rand(x.shape) < 0.3
-    scored[:, 0] = True  # every row scores a position that predicts a token
+    scored = (torch.rand(x.shape) < 0.3).float()
+    scored[:, 0] = 1.0  # every row scores a position that predicts a token
+    weight = torch.tensor([1.0, 1.0, 5.0])  # the last row: a prompt's sum over 5 positions
+    scored *= weight[:, None]
     with torch.no_grad():
         got = span_losses(model, original, x, scored, config)
         student = model(input_ids=x).logits.double().log_softmax(-1)
@@ -103,7 +108,7 @@ def test_the_loss_is_a_mean_over_rows_of_each_row_s_scored_positions(model_dir, 
                 terms.append((teacher[b, t].exp() * (teacher[b, t] - student[b, t])).sum())
             elif t + 1 < config.context:
                 terms.append(-student[b, t, x[b, t + 1]])
-        rows.append(sum(terms) / len(terms))
+        rows.append(weight[b] * sum(terms) / len(terms))
     name = "kl" if loss == "distill" else "nll"
     assert got[name].item() == pytest.approx((sum(rows) / 3).item(), rel=1e-4)
 

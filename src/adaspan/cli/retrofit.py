@@ -83,7 +83,7 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
                    "(adaspan longeval's), comma-separated")
     p.add_argument("--retrieval-loss", choices=RETRIEVAL_LOSSES, default=default.retrieval_loss,
                    help="what of a retrieval prompt the loss scores: the positions that "
-                   "predict its answer, or all")
+                   "predict its answer (their mean, or answer_sum: their sum), or all")
     p.add_argument("--retrieval-far", type=float, default=default.retrieval_far,
                    help="share of the retrieval prompts with the needle in the first tenth "
                    "of the haystack, farthest from the question (the rest anywhere)")

@@ -79,9 +79,10 @@ def full_attention(model: nn.Module, original: str) -> Iterator[None]:
 
 
 def row_mean(values: Tensor, scored: Tensor) -> Tensor:
-    """The mean over rows of each row's mean over its ``scored`` positions."""
+    """The mean over rows of each row's mean over its scored positions (``scored`` nonzero),
+    each weighed ``scored`` (bool: 1)."""
     weights = scored.to(values.dtype)
-    return ((values * weights).sum(1) / weights.sum(1)).mean()
+    return ((values * weights).sum(1) / (scored != 0).sum(1)).mean()
 
 
 def span_losses(model: nn.Module, original: str, x: Tensor, scored: Tensor,

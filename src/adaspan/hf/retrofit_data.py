@@ -66,11 +66,14 @@ class TrainData:
 
     def batch(self, step: int) -> tuple[Tensor, Tensor]:
         """The (batch_size, context) token ids of step ``step``: windows of the text, the last
-        ``round(retrieval * batch_size)`` of them replaced by retrieval prompts; and which
-        positions the loss scores (bool, same shape): every position of a window, of a prompt
-        those that predict its answer (``retrieval_loss="answer"``) or every one (``"all"``)."""
+        ``round(retrieval * batch_size)`` of them replaced by retrieval prompts; and the weight
+        of each position in its row's mean (float, same shape; 0: not scored, see
+        :func:`adaspan.hf.retrofit.row_mean`): 1 at every position of a window; of a prompt,
+        1 at those that predict its answer (``retrieval_loss="answer"``), at every one
+        (``"all"``), or the answer's length at those (``"answer_sum"``: the row's term is
+        the sum over its answer, the KL of the whole answer, not its mean)."""
         x = window_batch(self.tokens, self.config, step)
-        scored = torch.ones_like(x, dtype=torch.bool)
+        scored = torch.ones_like(x, dtype=torch.float32)
         count = round(self.config.retrieval * self.config.batch_size)
         if count:
             x[-count:], scored[-count:] = self.retrieval_rows(step, count)
@@ -85,7 +88,7 @@ class TrainData:
         rng = np.random.default_rng([config.seed, step, 1])
         tasks = config.retrieval_tasks.split(",")
         rows = torch.full((count, config.context), self.pad, dtype=torch.long)
-        scored = torch.full_like(rows, config.retrieval_loss == "all", dtype=torch.bool)
+        scored = torch.full_like(rows, config.retrieval_loss == "all", dtype=torch.float32)
         for row in range(count):
             task = tasks[int(rng.integers(len(tasks)))]
             sample = make(task, haystack, config.context,
@@ -94,5 +97,7 @@ class TrainData:
             answer = haystack.count_ids(" " + ", ".join(sample.answers) + ".")
             ids = torch.tensor([*sample.ids, *answer][: config.context], dtype=torch.long)
             rows[row, : len(ids)] = ids
-            scored[row, len(sample.ids) - 1 : len(ids) - 1] = True  # predicting the answer
+            answer_at = slice(len(sample.ids) - 1, len(ids) - 1)  # predicting the answer
+            scored[row, answer_at] = (answer_at.stop - answer_at.start
+                                      if config.retrieval_loss == "answer_sum" else 1.0)
         return rows, scored
