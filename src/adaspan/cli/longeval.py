@@ -20,7 +20,7 @@ def add_longeval(commands) -> None:
                    "statements are hidden in")
     p.add_argument("--tasks", type=names, metavar="LIST",
                    help="tasks separated by commas (default: every task: passkey, "
-                   "single_needle, multi_key, multi_value, variable_tracking)")
+                   "single_needle, multi_key, multi_value, variable_tracking, word_passkey)")
     p.add_argument("--lengths", type=positive_ints, default=[1024, 2048], metavar="LIST",
                    help="context lengths in tokens, prompt and answer (default: 1024,2048)")
     p.add_argument("--depths", type=fractions, default=[0.0, 0.25, 0.5, 0.75, 1.0],

@@ -79,8 +79,9 @@ def full_attention(model: nn.Module, original: str) -> Iterator[None]:
 
 
 def row_mean(values: Tensor, scored: Tensor) -> Tensor:
-    """The mean over rows of each row's mean over its scored positions (``scored`` nonzero),
-    each weighed ``scored`` (bool: 1)."""
+    """The mean over rows of each row's weighted mean over its scored positions: the sum of
+    ``values * scored`` over the positions where ``scored`` is nonzero, divided by their
+    count (``scored`` bool, or float weights)."""
     weights = scored.to(values.dtype)
     return ((values * weights).sum(1) / (scored != 0).sum(1)).mean()
 

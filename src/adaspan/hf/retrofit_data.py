@@ -97,7 +97,7 @@ class TrainData:
             answer = haystack.count_ids(" " + ", ".join(sample.answers) + ".")
             ids = torch.tensor([*sample.ids, *answer][: config.context], dtype=torch.long)
             rows[row, : len(ids)] = ids
-            answer_at = slice(len(sample.ids) - 1, len(ids) - 1)  # predicting the answer
-            scored[row, answer_at] = (answer_at.stop - answer_at.start
-                                      if config.retrieval_loss == "answer_sum" else 1.0)
+            length = len(ids) - len(sample.ids)  # the answer's tokens within the context
+            scored[row, len(sample.ids) - 1 : len(ids) - 1] = (  # predicting the answer
+                length if config.retrieval_loss == "answer_sum" else 1.0)
         return rows, scored
