@@ -21,15 +21,18 @@ schedule each):
    to the question is greatest.
 
 The default steps (8,000 in all) took 104 minutes on a 2-core AMD EPYC, and full attention
-scored at least 0.9 in every cell on both haystacks (``docs/retrieval-log.md``).
+scored at least 0.9 in every cell on both haystacks (``docs/retrieval-log.md``). Training is
+seeded: on one machine two runs give the same weights to the bit; on CPUs whose kernels round
+otherwise the runs part after a few hundred steps and end as different models, so
+``evidence.json`` names the machine it ran on.
 
 Then full attention is scored on pass key and single needle at ``--eval-lengths`` × ``--depths``
 × ``--samples`` with the haystacks of each of ``--haystacks``: by default the test split of
 ``--data`` (the same kind of text, never read in training) and the bundled KJV (another kind,
 with verse numbers among its words); the evaluation's seeds differ from training's too.
 ``--out`` holds each stage's model (``copy/`` ... ``far/``; a stage already saved is kept),
-each evaluation (``eval-test/``, ``eval-kjv/``, with the heatmaps) and ``evidence.json``: each
-stage's options, steps, seconds and held-out bits per byte, and per haystack the accuracy per
+each evaluation (``eval-test/``, ``eval-kjv/``, with the heatmaps) and ``evidence.json``: the
+machine, each stage's options, steps, seconds and held-out bits per byte, and per haystack the accuracy per
 task and length (the mean over depths) and the least of any length and depth.
 """
 
@@ -38,10 +41,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import platform
 import sys
 from pathlib import Path
 
 import torch
+import transformers
 
 from adaspan.data.corpora import load_corpus
 from adaspan.hf.longeval import Grid, longeval, summarise, write
@@ -163,11 +168,24 @@ def evaluate(args: argparse.Namespace, haystack: str) -> dict:
                               for cell in lengths.values())}
 
 
+def machine(threads: int) -> dict:
+    """Where the model trained: the CPU's name, the kernels torch chose for it (their rounding
+    sets which model a seed gives), the threads and the versions."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        info = []
+    names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+    return {"cpu": names[0] if names else platform.processor(),
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability(), "threads": threads,
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     trained = train(args)
-    result = {"stages": trained, "samples": args.samples,
+    result = {"machine": machine(args.threads), "stages": trained, "samples": args.samples,
               "haystacks": {name: evaluate(args, name) for name in args.haystacks.split(",")}}
     (args.out / "evidence.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

@@ -171,6 +171,29 @@ def test_train_hf_model_script(tmp_path):
     assert model.config.num_key_value_heads == 2 and model.config.max_position_embeddings == 32
 
 
+def test_train_hf_model_gives_the_same_weights_for_a_seed(tmp_path, capsys):
+    """Text, copy and retrieval steps on two threads: one seed gives the same weights to the
+    bit on one machine; another seed gives other weights."""
+    script = load_script("train_hf_model")
+
+    def weights(seed: int, name: str) -> dict[str, torch.Tensor]:
+        script.train(script.parse_args([
+            "--data", "kjv", "--out", str(tmp_path / name), "--steps", "6", "--context", "512",
+            "--d-model", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--d-ff",
+            "64", "--copy", "0.4", "--retrieval", "0.4", "--lengths", "512", "--copy-length",
+            "64", "--tokens-per-step", "512", "--warmup", "1", "--valid-bytes", "100",
+            "--haystack-bytes", "20000", "--threads", "2", "--seed", str(seed),
+            "--log-every", "1"]))
+        return AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict()
+
+    first, again, other = weights(0, "a"), weights(0, "b"), weights(1, "c")
+    kinds = {json.loads(line)["kind"] for line in capsys.readouterr().out.splitlines()
+             if line.startswith('{"step"')}
+    assert kinds == {"text", "copy", "retrieval"}
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not all(torch.equal(first[name], other[name]) for name in first)
+
+
 def test_train_hf_model_reports_the_late_loss_of_the_marked_tokens(tmp_path, capsys):
     """The result holds, per kind of marked step, the mean marked NLL of its last tenth of
     steps (as logged at every step here); text steps mark nothing."""
@@ -266,6 +289,8 @@ def test_evidence_model_script(tmp_path, capsys):
                                                                "final", "far"]
     assert all(stage["steps"] == 2 for stage in result["stages"])
     assert set(result["haystacks"]) == {"test", "kjv"}
+    assert result["machine"]["cpu"] and result["machine"]["threads"] == 1
+    assert result["machine"]["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
     for scored in result["haystacks"].values():
         assert set(scored["accuracy"]) == {"passkey", "single_needle"}
         assert 0 <= scored["least_cell"] <= min(scored["accuracy"]["passkey"].values())
