@@ -32,8 +32,8 @@ Then full attention is scored on pass key and single needle at ``--eval-lengths`
 with verse numbers among its words); the evaluation's seeds differ from training's too.
 ``--out`` holds each stage's model (``copy/`` ... ``far/``; a stage already saved is kept),
 each evaluation (``eval-test/``, ``eval-kjv/``, with the heatmaps) and ``evidence.json``: the
-machine, each stage's options, steps, seconds and held-out bits per byte, and per haystack the accuracy per
-task and length (the mean over depths) and the least of any length and depth.
+machine, each stage's options, steps, seconds and held-out bits per byte, and per haystack the
+accuracy per task and length (the mean over depths) and the least of any length and depth.
 """
 
 from __future__ import annotations
