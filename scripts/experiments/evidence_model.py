@@ -21,10 +21,11 @@ schedule each):
    to the question is greatest.
 
 The default steps (8,000 in all) took 104 minutes on a 2-core AMD EPYC, and full attention
-scored at least 0.9 in every cell on both haystacks (``docs/retrieval-log.md``). Training is
-seeded: on one machine two runs give the same weights to the bit; on CPUs whose kernels round
-otherwise the runs part after about a hundred steps and end as different models, so
-``evidence.json`` names the machine it ran on.
+scored at least 0.9 in every cell on both haystacks (``docs/retrieval-log.md``); two later runs
+(one on an Intel Xeon with AMX) gave one other model, with one KJV cell at 0.82.
+Training is seeded: on one machine two runs give the same weights to the bit; on CPUs whose
+kernels round otherwise the runs part after about a hundred steps and end as different
+models, so ``evidence.json`` names the machine it ran on.
 
 Then full attention is scored on pass key and single needle at ``--eval-lengths`` × ``--depths``
 × ``--samples`` with the haystacks of each of ``--haystacks``: by default the test split of
