@@ -47,10 +47,10 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers
 
 from adaspan.data.corpora import load_corpus
 from adaspan.hf.longeval import Grid, longeval, summarise, write
+from adaspan.hf.report import versions
 from adaspan.runtime.precision import choose
 
 HERE = Path(__file__).resolve().parent
@@ -171,7 +171,8 @@ def evaluate(args: argparse.Namespace, haystack: str) -> dict:
 
 def machine(threads: int) -> dict:
     """Where the model trained: the CPU's name, the kernels torch chose for it (their rounding
-    sets which model a seed gives), the threads and the versions."""
+    sets which model a seed gives), the threads and the versions of adaspan, torch and
+    transformers."""
     try:
         info = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -179,7 +180,7 @@ def machine(threads: int) -> dict:
     names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
     return {"cpu": names[0] if names else platform.processor(),
             "cpu_kernels": torch.backends.cpu.get_cpu_capability(), "threads": threads,
-            "torch": torch.__version__, "transformers": transformers.__version__}
+            **versions()}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -126,10 +126,11 @@ def measure_retrofit(run: Retrofit, precision: Precision, eval_bytes: int = 6553
             "settings": asdict(run.config),
             "spans": [span.spans().tolist() for span in span_modules(run.model)],
             "heldout": quality_, "cache": cache, "precision": precision.record(),
-            "versions": _versions()}
+            "versions": versions()}
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
+    """adaspan's, torch's and transformers' versions, for JSON outputs."""
     return {"adaspan": __version__, "torch": torch.__version__,
             "transformers": transformers.__version__}
 
