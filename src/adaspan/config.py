@@ -438,6 +438,7 @@ class RetrofitConfig:
     optimizer: str = "adam"  # Adam, or plain SGD: a step in proportion to the gradient
     retrieval_loss: str = "answer"  # a retrieval prompt's loss: its answer (mean or sum), or all
     retrieval_far: float = 0.0  # share of retrieval prompts with the needle in the first tenth
+    retrieval_min_length: int | None = None  # shortest retrieval prompt; None: the context
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -477,6 +478,10 @@ class RetrofitConfig:
         if not 0.0 <= self.retrieval_far <= 1.0:
             raise ConfigError(f"retrieval_far is a share of the retrieval prompts in [0, 1], "
                               f"got {self.retrieval_far}")
+        if self.retrieval_min_length is not None and not (
+                1 <= self.retrieval_min_length <= self.context):
+            raise ConfigError(f"retrieval_min_length must lie in [1, context={self.context}], "
+                              f"got {self.retrieval_min_length}")
         if not self.retrieval_tasks.strip(","):
             raise ConfigError("retrieval_tasks names at least one task")
 

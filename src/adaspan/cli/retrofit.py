@@ -87,6 +87,10 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
     p.add_argument("--retrieval-far", type=float, default=default.retrieval_far,
                    help="share of the retrieval prompts with the needle in the first tenth "
                    "of the haystack, farthest from the question (the rest anywhere)")
+    p.add_argument("--retrieval-min-length", type=positive_int,
+                   default=default.retrieval_min_length, help="the shortest retrieval prompt "
+                   "in tokens: each prompt's length is drawn uniformly from it to the context "
+                   "(default: every prompt fills the context)")
     p.add_argument("--streaming-window", type=positive_int, default=default.streaming_window,
                    help="duo: the recent positions a streaming head reads")
 
@@ -109,7 +113,8 @@ def _retrofit(args: argparse.Namespace) -> int:
         args.max_span, args.ramp, args.context, args.steps, args.batch_size, args.lr,
         args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head,
         args.method, args.sinks, args.penalty, args.retrieval, args.retrieval_tasks,
-        args.streaming_window, args.optimizer, args.retrieval_loss, args.retrieval_far)
+        args.streaming_window, args.optimizer, args.retrieval_loss, args.retrieval_far,
+        args.retrieval_min_length)
     dist = Distributed.from_env()
     device = _process_device(args.device, dist)
     with dist.joined(device):  # a sharded model is measured by the processes together

@@ -36,6 +36,15 @@ def window_batch(tokens: Tensor, config: RetrofitConfig, step: int) -> Tensor:
     return torch.stack([tokens[s : s + config.context] for s in starts.tolist()])
 
 
+def draw_length(rng: np.random.Generator, config: RetrofitConfig) -> int:
+    """A training prompt's length in tokens: the context, or uniform in
+    [``retrieval_min_length``, context] (a draw only then: the draws of runs without it stay
+    as they were)."""
+    shortest = config.retrieval_min_length or config.context
+    return int(rng.integers(shortest, config.context + 1)) if shortest < config.context \
+        else config.context
+
+
 @dataclass(frozen=True)
 class TrainData:
     """The train tokens (the first ``POOL_BYTES`` of the train split), the haystack of the
@@ -58,8 +67,9 @@ class TrainData:
         haystack = None
         if config.retrieval:
             haystack = Haystack(text.decode("utf-8", errors="ignore"), tokenizer)
-            for task in config.retrieval_tasks.split(","):
-                make(task, haystack, config.context, 0.5, TRAIN_SEEDS)  # fits, or says why
+            for task in config.retrieval_tasks.split(","):  # fits, or says why
+                make(task, haystack, config.retrieval_min_length or config.context, 0.5,
+                     TRAIN_SEEDS)
         pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None),
                    0)
         return cls(config, tokens, haystack, pad)
@@ -82,8 +92,9 @@ class TrainData:
     def retrieval_rows(self, step: int, count: int) -> tuple[Tensor, Tensor]:
         """``count`` prompts of the step (a task of ``retrieval_tasks``, a depth uniform in
         [0, 1] or, for a share ``retrieval_far``, in its first tenth, a seed from
-        ``TRAIN_SEEDS`` on), each followed by its values and padded; and the positions the
-        loss scores."""
+        ``TRAIN_SEEDS`` on, a length of the context or, with ``retrieval_min_length``, uniform
+        from it to the context), each followed by its values and padded; and the positions
+        the loss scores."""
         config, haystack = self.config, self.haystack
         rng = np.random.default_rng([config.seed, step, 1])
         tasks = config.retrieval_tasks.split(",")
@@ -91,9 +102,9 @@ class TrainData:
         scored = torch.full_like(rows, config.retrieval_loss == "all", dtype=torch.float32)
         for row in range(count):
             task = tasks[int(rng.integers(len(tasks)))]
-            sample = make(task, haystack, config.context,
-                          draw_depth(rng, config.retrieval_far),
-                          TRAIN_SEEDS + int(rng.integers(1 << 30)))
+            depth = draw_depth(rng, config.retrieval_far)
+            seed = TRAIN_SEEDS + int(rng.integers(1 << 30))
+            sample = make(task, haystack, draw_length(rng, config), depth, seed)
             answer = haystack.count_ids(" " + ", ".join(sample.answers) + ".")
             ids = torch.tensor([*sample.ids, *answer][: config.context], dtype=torch.long)
             rows[row, : len(ids)] = ids
