@@ -84,21 +84,23 @@ def test_retrieval_far_puts_the_needles_in_the_haystack_s_first_tenth(model_dir,
 def test_retrieval_min_length_draws_each_prompt_s_length(model_dir, tmp_path, shortest,
                                                          monkeypatch):
     """``retrieval_min_length``: each training prompt's length is drawn from it to the
-    context, and the prompt of that length (its answer after it, then padding) fills its row;
-    without it every prompt fills the context."""
+    context, but one whose needle lies in the first tenth fills the context; the prompt (its
+    answer after it, then padding) fills its row. Without it every prompt fills the context."""
     import adaspan.hf.retrofit_data as retrofit_data
 
     samples, original = [], retrofit_data.make
     monkeypatch.setattr(retrofit_data, "make",
                         lambda *args: samples.append(original(*args)) or samples[-1])
     config = options(model_dir, tmp_path, context=400, batch_size=2, retrieval=1.0,
-                     retrieval_min_length=shortest)
+                     retrieval_min_length=shortest, retrieval_far=0.5)
     data = TrainData.read(config, AutoTokenizer.from_pretrained(model_dir))
     assert samples.pop().length == (shortest or 400)  # the shortest prompt fits
     rows = [data.batch(step) for step in range(8)]
     lengths = [sample.length for sample in samples]
     assert min(lengths) >= (shortest or 400) and max(lengths) <= 400
     assert len(set(lengths)) > 4 if shortest else set(lengths) == {400}
+    far = [sample.length for sample in samples if sample.depth <= 0.1]
+    assert far and set(far) == {400}
     for k, sample in enumerate(samples):  # 2 a step, in the order of the rows
         x, scored = rows[k // 2][0][k % 2], rows[k // 2][1][k % 2]
         assert x[: len(sample.ids)].tolist() == list(sample.ids)

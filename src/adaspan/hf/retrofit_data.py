@@ -16,7 +16,7 @@ from torch import Tensor
 from ..config import RetrofitConfig
 from ..data.corpora import load_corpus
 from ..errors import ConfigError
-from .needles import Haystack, draw_depth, make
+from .needles import FAR, Haystack, draw_depth, make
 
 POOL_BYTES = 1 << 24  # the start of the train split that windows and haystacks are drawn from
 TRAIN_SEEDS = 10**6  # retrieval prompts of training take seeds from here on (longeval's: 0 on)
@@ -36,13 +36,15 @@ def window_batch(tokens: Tensor, config: RetrofitConfig, step: int) -> Tensor:
     return torch.stack([tokens[s : s + config.context] for s in starts.tolist()])
 
 
-def draw_length(rng: np.random.Generator, config: RetrofitConfig) -> int:
-    """A training prompt's length in tokens: the context, or uniform in
-    [``retrieval_min_length``, context] (a draw only then: the draws of runs without it stay
-    as they were)."""
+def draw_length(rng: np.random.Generator, config: RetrofitConfig, depth: float) -> int:
+    """A training prompt's length in tokens: uniform in [``retrieval_min_length``, context],
+    or the context where that is not given or the needle lies in the haystack's first tenth
+    (such needles lie as far back as the context allows). A draw only in the first case: the
+    draws of runs without it stay as they were."""
     shortest = config.retrieval_min_length or config.context
-    return int(rng.integers(shortest, config.context + 1)) if shortest < config.context \
-        else config.context
+    if shortest == config.context or depth <= 1 / FAR:
+        return config.context
+    return int(rng.integers(shortest, config.context + 1))
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,8 @@ class TrainData:
     def retrieval_rows(self, step: int, count: int) -> tuple[Tensor, Tensor]:
         """``count`` prompts of the step (a task of ``retrieval_tasks``, a depth uniform in
         [0, 1] or, for a share ``retrieval_far``, in its first tenth, a seed from
-        ``TRAIN_SEEDS`` on, a length of the context or, with ``retrieval_min_length``, uniform
-        from it to the context), each followed by its values and padded; and the positions
-        the loss scores."""
+        ``TRAIN_SEEDS`` on, a length from :func:`draw_length`), each followed by its values
+        and padded; and the positions the loss scores."""
         config, haystack = self.config, self.haystack
         rng = np.random.default_rng([config.seed, step, 1])
         tasks = config.retrieval_tasks.split(",")
@@ -104,7 +105,7 @@ class TrainData:
             task = tasks[int(rng.integers(len(tasks)))]
             depth = draw_depth(rng, config.retrieval_far)
             seed = TRAIN_SEEDS + int(rng.integers(1 << 30))
-            sample = make(task, haystack, draw_length(rng, config), depth, seed)
+            sample = make(task, haystack, draw_length(rng, config, depth), depth, seed)
             answer = haystack.count_ids(" " + ", ".join(sample.answers) + ".")
             ids = torch.tensor([*sample.ids, *answer][: config.context], dtype=torch.long)
             rows[row, : len(ids)] = ids
