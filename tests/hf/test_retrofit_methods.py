@@ -212,7 +212,7 @@ def test_a_signal_stops_after_its_step_and_resumes_exactly(model_dir, tmp_path, 
 def test_retrieval_budget_script(model_dir, tmp_path, capsys):
     """The comparison at one budget runs end to end at a tiny size: every policy scored, the
     baselines held within the spans' budget; the spans stepped by SGD at their own rate, the
-    gates by Adam, both with the ramp and the retrieval loss asked for."""
+    gates by Adam, both with the ramp and the retrieval prompts asked for."""
     script = load_script("retrieval_budget")
     result = script.main([str(model_dir), "--data", "kjv", "--haystack", "kjv", "--out",
                           str(tmp_path / "cmp"), "--context", "400", "--lengths", "400",
@@ -220,7 +220,8 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
                           "1", "--steps", "2", "--sinks", "2", "--streaming-window", "16",
                           "--eval-bytes", "500", "--decode-tokens", "2", "--span-loss", "1e-3",
                           "--span-optimizer", "sgd", "--span-lr", "0.5", "--ramp", "64",
-                          "--retrieval-loss", "all", "--retrieval-far", "0.5"])
+                          "--retrieval-loss", "all", "--retrieval-far", "0.5",
+                          "--retrieval-min-length", "300"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
     assert set(result["policies"]) == {"full", "spans", "streaming", "duo", "snapkv"}
     budget = result["budget_bytes"]
@@ -241,7 +242,8 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
     assert (settings["duo"]["optimizer"], settings["duo"]["lr"]) == ("adam", 0.02)
     for method in ("spans", "duo"):  # the same data and loss for both
         assert (settings[method]["ramp"], settings[method]["retrieval_loss"],
-                settings[method]["retrieval_far"]) == (64, "all", 0.5)
+                settings[method]["retrieval_far"],
+                settings[method]["retrieval_min_length"]) == (64, "all", 0.5, 300)
 
 
 def test_retrieval_budget_scores_the_policies_asked_for(model_dir, tmp_path, capsys):
