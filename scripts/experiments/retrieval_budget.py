@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="share of the retrieval prompts with the needle in the haystack's first tenth")
     add("--retrieval-min-length", type=int, help="the shortest retrieval prompt in tokens "
         "(lengths uniform from it to the context; default: the context)")
+    add("--retrieval-far-full", type=float, default=1.0, help="the share of the prompts with "
+        "the needle in the first tenth that fill the context anyway")
     add("--policies", default=",".join(POLICIES), help="the policies scored, comma-separated "
         "(full and spans always; duo's retrofit runs only for duo)")
     add("--eval-bytes", type=int, default=65536)
@@ -110,8 +112,9 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                str(args.retrieval), "--retrieval-tasks", args.retrieval_tasks,
                "--retrieval-far", str(args.retrieval_far), "--eval-bytes",
                str(args.eval_bytes), "--decode-tokens", str(args.decode_tokens), "--threads",
-               str(args.threads), *(("--retrieval-min-length", str(args.retrieval_min_length))
-                                    if args.retrieval_min_length else ()))
+               str(args.threads), "--retrieval-far-full", str(args.retrieval_far_full),
+               *(("--retrieval-min-length", str(args.retrieval_min_length))
+                 if args.retrieval_min_length else ()))
 
 
 def longeval(args: argparse.Namespace, model: Path, cache: str, name: str) -> dict:

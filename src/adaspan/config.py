@@ -439,6 +439,8 @@ class RetrofitConfig:
     retrieval_loss: str = "answer"  # a retrieval prompt's loss: its answer (mean or sum), or all
     retrieval_far: float = 0.0  # share of retrieval prompts with the needle in the first tenth
     retrieval_min_length: int | None = None  # shortest retrieval prompt; None: the context
+    retrieval_far_full: float = 1.0  # share of prompts with a needle in the first tenth that
+    # fill the context whatever retrieval_min_length
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -482,6 +484,9 @@ class RetrofitConfig:
                 1 <= self.retrieval_min_length <= self.context):
             raise ConfigError(f"retrieval_min_length must lie in [1, context={self.context}], "
                               f"got {self.retrieval_min_length}")
+        if not 0.0 <= self.retrieval_far_full <= 1.0:
+            raise ConfigError(f"retrieval_far_full is a share of the far prompts in [0, 1], "
+                              f"got {self.retrieval_far_full}")
         if not self.retrieval_tasks.strip(","):
             raise ConfigError("retrieval_tasks names at least one task")
 

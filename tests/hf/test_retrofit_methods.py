@@ -80,19 +80,21 @@ def test_retrieval_far_puts_the_needles_in_the_haystack_s_first_tenth(model_dir,
         options(model_dir, tmp_path, retrieval_far=1.5)
 
 
-@pytest.mark.parametrize("shortest", [None, 250])
+@pytest.mark.parametrize(("shortest", "far_full"), [(None, 1.0), (250, 1.0), (250, 0.0)])
 def test_retrieval_min_length_draws_each_prompt_s_length(model_dir, tmp_path, shortest,
-                                                         monkeypatch):
+                                                         far_full, monkeypatch):
     """``retrieval_min_length``: each training prompt's length is drawn from it to the
-    context, but one whose needle lies in the first tenth fills the context; the prompt (its
-    answer after it, then padding) fills its row. Without it every prompt fills the context."""
+    context, but one whose needle lies in the first tenth fills the context (unless
+    ``retrieval_far_full`` is 0); the prompt (its answer after it, then padding) fills its
+    row. Without it every prompt fills the context."""
     import adaspan.hf.retrofit_data as retrofit_data
 
     samples, original = [], retrofit_data.make
     monkeypatch.setattr(retrofit_data, "make",
                         lambda *args: samples.append(original(*args)) or samples[-1])
     config = options(model_dir, tmp_path, context=400, batch_size=2, retrieval=1.0,
-                     retrieval_min_length=shortest, retrieval_far=0.5)
+                     retrieval_min_length=shortest, retrieval_far=0.5,
+                     retrieval_far_full=far_full)
     data = TrainData.read(config, AutoTokenizer.from_pretrained(model_dir))
     assert samples.pop().length == (shortest or 400)  # the shortest prompt fits
     rows = [data.batch(step) for step in range(8)]
@@ -100,13 +102,15 @@ def test_retrieval_min_length_draws_each_prompt_s_length(model_dir, tmp_path, sh
     assert min(lengths) >= (shortest or 400) and max(lengths) <= 400
     assert len(set(lengths)) > 4 if shortest else set(lengths) == {400}
     far = [sample.length for sample in samples if sample.depth <= 0.1]
-    assert far and set(far) == {400}
+    assert far and (set(far) == {400}) == (far_full == 1.0)
     for k, sample in enumerate(samples):  # 2 a step, in the order of the rows
         x, scored = rows[k // 2][0][k % 2], rows[k // 2][1][k % 2]
         assert x[: len(sample.ids)].tolist() == list(sample.ids)
         assert scored[len(sample.ids) - 1] > 0 and not scored[: len(sample.ids) - 1].any()
     with pytest.raises(ConfigError, match="retrieval_min_length must lie"):
         options(model_dir, tmp_path, context=400, retrieval_min_length=401)
+    with pytest.raises(ConfigError, match="retrieval_far_full is a share"):
+        options(model_dir, tmp_path, retrieval_far_full=1.5)
 
 
 @pytest.mark.parametrize("loss", ["distill", "lm"])

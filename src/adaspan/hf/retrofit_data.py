@@ -38,12 +38,17 @@ def window_batch(tokens: Tensor, config: RetrofitConfig, step: int) -> Tensor:
 
 def draw_length(rng: np.random.Generator, config: RetrofitConfig, depth: float) -> int:
     """A training prompt's length in tokens: uniform in [``retrieval_min_length``, context],
-    or the context where that is not given or the needle lies in the haystack's first tenth
-    (such needles lie as far back as the context allows). A draw only in the first case: the
-    draws of runs without it stay as they were."""
+    or the context where that is not given or, with probability ``retrieval_far_full``, where
+    the needle lies in the haystack's first tenth (such needles then lie as far back as the
+    context allows). Draws only where ``retrieval_min_length`` is given (the draws of runs
+    without it stay as they were), and for the far share only where it lies in (0, 1)."""
     shortest = config.retrieval_min_length or config.context
-    if shortest == config.context or depth <= 1 / FAR:
+    if shortest == config.context:
         return config.context
+    if depth <= 1 / FAR:
+        share = config.retrieval_far_full
+        if share == 1.0 or (share and rng.random() < share):
+            return config.context
     return int(rng.integers(shortest, config.context + 1))
 
 
