@@ -439,8 +439,7 @@ class RetrofitConfig:
     retrieval_loss: str = "answer"  # a retrieval prompt's loss: its answer (mean or sum), or all
     retrieval_far: float = 0.0  # share of retrieval prompts with the needle in the first tenth
     retrieval_min_length: int | None = None  # shortest retrieval prompt; None: the context
-    retrieval_far_full: float = 1.0  # share of prompts with a needle in the first tenth that
-    # fill the context whatever retrieval_min_length
+    retrieval_far_full: float = 1.0  # share of first-tenth needles' prompts filling the context
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
