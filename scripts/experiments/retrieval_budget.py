@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(lengths uniform from it to the context; default: the context)")
     add("--retrieval-far-full", type=float, default=1.0, help="the share of the prompts with "
         "the needle in the first tenth that fill the context anyway")
+    add("--retrieval-weight", type=float, default=1.0, help="a retrieval prompt's weight in "
+        "the loss, a window of text's being 1")
     add("--policies", default=",".join(POLICIES), help="the policies scored, comma-separated "
         "(full and spans always; duo's retrofit runs only for duo)")
     add("--eval-bytes", type=int, default=65536)
@@ -113,6 +115,7 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                "--retrieval-far", str(args.retrieval_far), "--eval-bytes",
                str(args.eval_bytes), "--decode-tokens", str(args.decode_tokens), "--threads",
                str(args.threads), "--retrieval-far-full", str(args.retrieval_far_full),
+               "--retrieval-weight", str(args.retrieval_weight),
                *(("--retrieval-min-length", str(args.retrieval_min_length))
                  if args.retrieval_min_length else ()))
 

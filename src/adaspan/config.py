@@ -440,6 +440,7 @@ class RetrofitConfig:
     retrieval_far: float = 0.0  # share of retrieval prompts with the needle in the first tenth
     retrieval_min_length: int | None = None  # shortest retrieval prompt; None: the context
     retrieval_far_full: float = 1.0  # share of first-tenth needles' prompts filling the context
+    retrieval_weight: float = 1.0  # a retrieval prompt's term in the loss, a window's being 1
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -486,6 +487,9 @@ class RetrofitConfig:
         if not 0.0 <= self.retrieval_far_full <= 1.0:
             raise ConfigError(f"retrieval_far_full is a share of the far prompts in [0, 1], "
                               f"got {self.retrieval_far_full}")
+        if not (self.retrieval_weight > 0 and math.isfinite(self.retrieval_weight)):
+            raise ConfigError(f"retrieval_weight must be a number > 0, got "
+                              f"{self.retrieval_weight}")
         if not self.retrieval_tasks.strip(","):
             raise ConfigError("retrieval_tasks names at least one task")
 

@@ -76,6 +76,12 @@ def test_an_unknown_choice_is_refused(model_dir, tmp_path, name, message):
         options(model_dir, tmp_path / "out", **{name: "lbfgs"})
 
 
+@pytest.mark.parametrize("weight", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_retrieval_weight_not_above_zero_is_refused(model_dir, tmp_path, weight):
+    with pytest.raises(ConfigError, match="retrieval_weight must be a number > 0"):
+        options(model_dir, tmp_path / "out", retrieval_weight=weight)
+
+
 def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monkeypatch):
     whole = z_fracs(retrofit(options(model_dir, tmp_path / "whole"), FP32, progress=False))
     step = Retrofit.train_step

@@ -35,27 +35,33 @@ def model_dir(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("llama"), positions=400)
 
 
+@pytest.mark.parametrize("retrieval_weight", [1.0, 2.5])
 @pytest.mark.parametrize("retrieval_loss", ["answer", "answer_sum", "all"])
-def test_retrieval_prompts_replace_the_last_windows(model_dir, tmp_path, retrieval_loss):
+def test_retrieval_prompts_replace_the_last_windows(model_dir, tmp_path, retrieval_loss,
+                                                    retrieval_weight):
+    """The last rows are prompts scored where ``retrieval_loss`` says, each scored position
+    weighing ``retrieval_weight`` times its loss's weight; the windows' positions weigh 1."""
     config = options(model_dir, tmp_path, context=400, batch_size=4, retrieval=0.5,
-                     retrieval_tasks="passkey,single_needle", retrieval_loss=retrieval_loss)
+                     retrieval_tasks="passkey,single_needle", retrieval_loss=retrieval_loss,
+                     retrieval_weight=retrieval_weight)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = TrainData.read(config, tokenizer)
     x, scored = data.batch(3)
     assert x.shape == scored.shape == (4, 400)
     assert all(torch.equal(a, b) for a, b in zip((x, scored), data.batch(3), strict=True))
-    assert torch.equal(x[:2], window_batch(data.tokens, config, 3)[:2]) and scored[:2].all()
+    assert torch.equal(x[:2], window_batch(data.tokens, config, 3)[:2])
+    assert (scored[:2] == 1).all()
     for row, row_scored in zip(x[2:], scored[2:], strict=True):
         text = tokenizer.decode(row, skip_special_tokens=True)
         value = text.rsplit(" ", 1)[-1].rstrip(".")  # the answer, after the question
         assert value.isdigit() and text.count(value) >= 2  # where it was hidden, and answered
         if retrieval_loss == "all":
-            assert (row_scored == 1).all()
+            assert (row_scored == retrieval_weight).all()
         else:  # exactly the positions whose next token is the answer's
             predicted = row[1:][row_scored[:-1] > 0]
             assert tokenizer.decode(predicted).strip() == f"{value}." and not row_scored[-1]
             weight = len(predicted) if retrieval_loss == "answer_sum" else 1  # sum, or mean
-            assert set(row_scored[row_scored > 0].tolist()) == {weight}
+            assert set(row_scored[row_scored > 0].tolist()) == {weight * retrieval_weight}
     assert not torch.equal(x[2:], data.batch(4)[0][2:])
 
 
@@ -225,7 +231,7 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
                           "--eval-bytes", "500", "--decode-tokens", "2", "--span-loss", "1e-3",
                           "--span-optimizer", "sgd", "--span-lr", "0.5", "--ramp", "64",
                           "--retrieval-loss", "all", "--retrieval-far", "0.5",
-                          "--retrieval-min-length", "300"])
+                          "--retrieval-min-length", "300", "--retrieval-weight", "1.5"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
     assert set(result["policies"]) == {"full", "spans", "streaming", "duo", "snapkv"}
     budget = result["budget_bytes"]
@@ -247,7 +253,8 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
     for method in ("spans", "duo"):  # the same data and loss for both
         assert (settings[method]["ramp"], settings[method]["retrieval_loss"],
                 settings[method]["retrieval_far"],
-                settings[method]["retrieval_min_length"]) == (64, "all", 0.5, 300)
+                settings[method]["retrieval_min_length"],
+                settings[method]["retrieval_weight"]) == (64, "all", 0.5, 300, 1.5)
 
 
 def test_retrieval_budget_scores_the_policies_asked_for(model_dir, tmp_path, capsys):

@@ -94,6 +94,9 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
     p.add_argument("--retrieval-far-full", type=float, default=default.retrieval_far_full,
                    help="with --retrieval-min-length: the share of the prompts with the needle "
                    "in the haystack's first tenth that fill the context (default 1: all)")
+    p.add_argument("--retrieval-weight", type=float, default=default.retrieval_weight,
+                   help="a retrieval prompt's weight in the loss, a window of text's being 1 "
+                   "(default 1)")
     p.add_argument("--streaming-window", type=positive_int, default=default.streaming_window,
                    help="duo: the recent positions a streaming head reads")
 
@@ -117,7 +120,7 @@ def _retrofit(args: argparse.Namespace) -> int:
         args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head,
         args.method, args.sinks, args.penalty, args.retrieval, args.retrieval_tasks,
         args.streaming_window, args.optimizer, args.retrieval_loss, args.retrieval_far,
-        args.retrieval_min_length, args.retrieval_far_full)
+        args.retrieval_min_length, args.retrieval_far_full, args.retrieval_weight)
     dist = Distributed.from_env()
     device = _process_device(args.device, dist)
     with dist.joined(device):  # a sharded model is measured by the processes together

@@ -88,7 +88,8 @@ class TrainData:
         :func:`adaspan.hf.retrofit.row_mean`): 1 at every position of a window; of a prompt,
         1 at those that predict its answer (``retrieval_loss="answer"``), at every one
         (``"all"``), or the answer's length at those (``"answer_sum"``: the row's term is
-        the sum over its answer, the KL of the whole answer, not its mean)."""
+        the sum over its answer, the KL of the whole answer, not its mean); a prompt's
+        weights times ``retrieval_weight``."""
         x = window_batch(self.tokens, self.config, step)
         scored = torch.ones_like(x, dtype=torch.float32)
         count = round(self.config.retrieval * self.config.batch_size)
@@ -105,7 +106,9 @@ class TrainData:
         rng = np.random.default_rng([config.seed, step, 1])
         tasks = config.retrieval_tasks.split(",")
         rows = torch.full((count, config.context), self.pad, dtype=torch.long)
-        scored = torch.full_like(rows, config.retrieval_loss == "all", dtype=torch.float32)
+        weight = config.retrieval_weight
+        scored = torch.full_like(rows, weight * (config.retrieval_loss == "all"),
+                                 dtype=torch.float32)
         for row in range(count):
             task = tasks[int(rng.integers(len(tasks)))]
             depth = draw_depth(rng, config.retrieval_far)
@@ -115,6 +118,6 @@ class TrainData:
             ids = torch.tensor([*sample.ids, *answer][: config.context], dtype=torch.long)
             rows[row, : len(ids)] = ids
             length = len(ids) - len(sample.ids)  # the answer's tokens within the context
-            scored[row, len(sample.ids) - 1 : len(ids) - 1] = (  # predicting the answer
+            scored[row, len(sample.ids) - 1 : len(ids) - 1] = weight * (  # the answer's
                 length if config.retrieval_loss == "answer_sum" else 1.0)
         return rows, scored
