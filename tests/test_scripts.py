@@ -94,6 +94,7 @@ SCRIPTS: dict[str, tuple[Callable[[Path], list[str]], Callable[[str, Path], None
         lambda tmp: ["--official", str(ANCHORS / "bench_official.py"), "--configs", "tiny",
                      "--rounds", "1", "--steps", "1", "--out", str(tmp / "out.json")],
         has_keys("config", "train_ratio", "eval_ratio", "adaspan_train", "authors_train")),
+    "answer_margins.py": "tests/hf/test_longeval.py",
     "bench_table.py": (lambda tmp: ["--from", str(ROOT / "docs" / "measurements" /
                                               "bench.json")],
                        markdown_table),

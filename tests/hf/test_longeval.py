@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script
 from transformers import ByT5Tokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from adaspan.attention.span import AdaptiveSpan, exact_fraction
@@ -24,7 +25,7 @@ from adaspan.errors import UserError
 from adaspan.hf import add_spans, head_windows, load_pretrained, save_model
 from adaspan.hf import cache_policies as cp
 from adaspan.hf import longeval as le
-from adaspan.hf.needles import TASKS, Haystack
+from adaspan.hf.needles import TASKS, Haystack, make
 from adaspan.runtime.precision import choose
 
 LAYERS, KV_HEADS, D_HEAD, POSITIONS = 2, 2, 8, 1024
@@ -414,3 +415,39 @@ def test_report_refuses_what_is_neither_a_run_nor_an_output(outputs, tmp_path, c
     err = capsys.readouterr().err
     assert REFUSED[what] in err and err.count("\n") == 1, err
     assert not (tmp_path / "report.html").exists()
+
+
+def test_answer_margins_script_against_reading_the_answer_token_by_token(plain_dir, spans_dir,
+                                                                         capsys):
+    """The answer margins of one teacher-forced pass equal those of growing the prompt by one
+    answer token at a time, for the plain model and for its spans; a prompt whose margin is
+    below 0 is one whose greedy answer leaves the expected tokens; bad input is one line."""
+    script = load_script("answer_margins")
+    result = script.main([str(plain_dir), str(spans_dir), "--haystack", "kjv", "--tasks",
+                          "passkey,single_needle", "--lengths", "500", "--depths", "0,1",
+                          "--samples", "1"])
+    assert json.loads(capsys.readouterr().out) == result
+    assert [(p["task"], p["depth"]) for p in result["prompts"]] == [
+        ("passkey", 0.0), ("passkey", 1.0), ("single_needle", 0.0), ("single_needle", 1.0)]
+    for path in (plain_dir, spans_dir):
+        model, tokenizer = le.load_model_dir(path, torch.device("cpu"))
+        haystack = Haystack(le.load_haystack("kjv"), tokenizer)
+        policy = cp.build_policy("spans" if path == spans_dir else "full", model)
+        for prompt in result["prompts"]:
+            sample = make(prompt["task"], haystack, 500, prompt["depth"], 0)
+            answer = script.answer_ids(haystack, sample)
+            least = math.inf
+            with torch.no_grad():
+                for j, token in enumerate(answer):
+                    logits = model(torch.tensor([[*sample.ids, *answer[:j]]])).logits[0, -1]
+                    other = torch.cat([logits[:token], logits[token + 1 :]]).max()
+                    least = min(least, (logits[token] - other).item())
+            assert prompt["margins"][str(path)] == pytest.approx(least, abs=1e-4)
+            new, _ = le.respond(model, sample, policy, tokenizer.pad_token_id)
+            assert (new[: len(answer)] == answer) == (least > 0)
+        margins = [p["margins"][str(path)] for p in result["prompts"]]
+        assert result["summary"][str(path)] == {
+            "prompts": 4, "below_zero": sum(m < 0 for m in margins), "least": min(margins),
+            "median": statistics.median(margins)}
+    with pytest.raises(SystemExit, match=r"^error: .*positions|^error: no model directory"):
+        script.main([str(plain_dir / "none"), "--haystack", "kjv"])
