@@ -16,10 +16,15 @@ retrieval at one cache budget, side by side on one model, and print the comparis
    DuoAttention's binarised heads (``duo``) and SnapKV (``snapkv``); ``--policies`` scores
    fewer of the three.
 
+4. Held-out bits per byte, as the retrofit's report scores them, with full attention, the spans,
+   and StreamingLLM's and DuoAttention's windows at the budget (``heldout``). SnapKV picks its
+   keys after a prompt; text scored token by token has none, so it is not scored.
+
 Output: ``--out`` holds each run (``spans/``, ``duo/``, ``eval-POLICY/`` with the heatmaps) and
 ``retrieval_budget.json``: per policy the mean accuracy per task and length, the bytes held,
 the prompts it lost and gained against full attention on the same prompts with the sign test's
-p (``against_full``), and the spans' retrofit report (held-out bits per byte, decode speed).
+p (``against_full``); ``heldout``; and the spans' retrofit report (held-out bits per byte,
+decode speed).
 """
 
 from __future__ import annotations
@@ -30,9 +35,15 @@ import io
 import json
 from pathlib import Path
 
+import torch
+
 from adaspan.cli import main as adaspan
 from adaspan.config import RETRIEVAL_LOSSES, RETROFIT_OPTIMIZERS, RetrofitConfig
-from adaspan.hf.longeval import paired
+from adaspan.data.corpora import load_corpus
+from adaspan.hf.cache_policies import build_policy
+from adaspan.hf.longeval import load_model_dir, paired
+from adaspan.hf.report import policy_quality
+from adaspan.hf.retrofit_data import encode
 
 POLICIES = ("full", "spans", "streaming", "duo", "snapkv")
 
@@ -127,6 +138,26 @@ def longeval(args: argparse.Namespace, model: Path, cache: str, name: str) -> di
                "--threads", str(args.threads))
 
 
+def heldout(args: argparse.Namespace, specs: dict[str, str]) -> dict:
+    """Held-out bits per byte (the first ``--eval-bytes`` of ``--data``'s valid split, as the
+    retrofit's report scores them) with full attention, the spans, and StreamingLLM's and
+    DuoAttention's hard windows at the budget; each policy's change against full attention."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base, tokenizer = load_model_dir(args.model_dir, torch.device("cpu"))
+    text = load_corpus(args.data, progress=False).valid[: args.eval_bytes]
+    ids = encode(tokenizer, text)
+    models = {"full": (base, "full"), "spans": (load_model_dir(args.out / "spans",
+                                                               torch.device("cpu"))[0], "spans"),
+              **{name: (base, specs[name]) for name in ("streaming", "duo")
+                 if name in args.policies}}
+    scores = {name: policy_quality(model, build_policy(spec, model), ids, len(text),
+                                   args.context) for name, (model, spec) in models.items()}
+    full = scores["full"]["bits_per_byte"]
+    return {name: {**score, "change": score["bits_per_byte"] / full - 1}
+            for name, score in scores.items()}
+
+
 def summary(result: dict, full: dict) -> dict:
     """Per task and length the mean accuracy over depths; per length the bytes held; per task
     and length the prompts lost and gained against full attention on the same prompts."""
@@ -156,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": str(args.model_dir), "budget_bytes": budget, "at_length": longest,
               "options": {k: str(v) for k, v in vars(args).items()},
               "retrofit": {k: report.get(k) for k in ("spans", "heldout", "cache")},
+              "heldout": heldout(args, specs),
               "policies": {name: {"cache": evaluated[name]["cache"],
                                   **summary(evaluated[name], evaluated["full"])}
                            for name in args.policies}}

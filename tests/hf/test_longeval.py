@@ -451,3 +451,30 @@ def test_answer_margins_script_against_reading_the_answer_token_by_token(plain_d
             "median": statistics.median(margins)}
     with pytest.raises(SystemExit, match=r"^error: .*positions|^error: no model directory"):
         script.main([str(plain_dir / "none"), "--haystack", "kjv"])
+
+
+@pytest.mark.parametrize("spec", ["full", "streaming:window=16,sinks=2", "spans"])
+def test_policy_quality_is_the_loss_of_decoding_token_by_token(plain_dir, spans_dir, spec):
+    """The held-out loss of a text read through a policy equals its loss when each token is
+    decoded with the policy's cache: every token reads the keys that cache holds."""
+    from adaspan.hf.report import policy_quality
+    from adaspan.hf.span_cache import cache_argument
+
+    model, _ = le.load_model_dir(spans_dir if spec == "spans" else plain_dir, torch.device("cpu"))
+    plain, _ = le.load_model_dir(plain_dir, torch.device("cpu"))
+    with torch.no_grad():  # attention sharper and weightier than random weights give
+        for layer in (*model.model.layers, *plain.model.layers):
+            layer.self_attn.q_proj.weight *= 30
+            layer.self_attn.o_proj.weight *= 30
+    ids = torch.randint(3, 259, (120,), generator=torch.Generator().manual_seed(0))
+    got = policy_quality(model, cp.build_policy(spec, model), ids, 100, context=120)
+    full = policy_quality(plain, cp.build_policy("full", plain), ids, 100, context=120)
+    assert (abs(got["bits_per_byte"] / full["bits_per_byte"] - 1) > 5e-5) == (spec != "full")
+    nll = 0.0
+    with torch.no_grad(), cp.build_policy(spec, model).applied(1) as cache:
+        for t in range(len(ids) - 1):
+            logits = model(input_ids=ids[None, t : t + 1], use_cache=True,
+                           **cache_argument(model, cache)).logits[0, -1]
+            nll += torch.nn.functional.cross_entropy(logits, ids[t + 1]).item()
+    assert got["bits_per_byte"] == pytest.approx(nll / math.log(2) / 100, rel=2e-6)
+    assert got["perplexity"] == pytest.approx(math.exp(nll / 119), rel=1e-5)

@@ -246,6 +246,16 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
             assert cell["prompts"] == 1
             assert cell["difference"] == policy["accuracy"][task]["400"] - \
                 result["policies"]["full"]["accuracy"][task]["400"]
+    held, report = result["heldout"], result["retrofit"]["heldout"]
+    assert set(held) == {"full", "spans", "streaming", "duo"}  # SnapKV: no prompt in a text
+    for name in ("full", "spans"):  # as the retrofit's report scored them
+        assert held[name]["bits_per_byte"] == pytest.approx(report[name]["bits_per_byte"],
+                                                            rel=1e-6)
+    assert held["spans"]["change"] == pytest.approx(report["bits_per_byte_change"], abs=1e-7)
+    for name in ("streaming", "duo"):  # windows of the budget, not every position
+        assert held[name]["change"] == pytest.approx(
+            held[name]["bits_per_byte"] / held["full"]["bits_per_byte"] - 1)
+        assert held[name]["bits_per_byte"] != held["full"]["bits_per_byte"]
     settings = {method: json.loads((tmp_path / "cmp" / method / "retrofit_settings.json")
                                    .read_text()) for method in ("spans", "duo")}
     assert (settings["spans"]["optimizer"], settings["spans"]["lr"]) == ("sgd", 0.5)

@@ -35,6 +35,7 @@ from ..measure.tables import span_table
 from ..runtime.precision import Precision
 from .attention import span_modules
 from .budget import full_cache_bytes
+from .cache_policies import CachePolicy
 from .retrofit import Retrofit, full_attention
 from .retrofit_data import encode
 from .span_cache import SpanCache, cache_argument, kv_bytes
@@ -66,6 +67,18 @@ def heldout(run: Retrofit, max_bytes: int) -> tuple[Tensor, int]:
     """Token ids of the first ``max_bytes`` bytes of the text's valid split, and the bytes."""
     text = load_corpus(run.config.data, progress=False).valid[:max_bytes]
     return encode(run.tokenizer, text), len(text)
+
+
+def policy_quality(model: nn.Module, policy: CachePolicy, ids: Tensor, n_bytes: int,
+                   context: int) -> dict[str, float]:
+    """Held-out quality (:func:`quality`) of ``ids`` read through ``policy``: every window
+    scored within ``policy.applied``, so that each token reads the keys the policy's cache
+    would hold when it is decoded (the hard windows of StreamingLLM and DuoAttention's heads,
+    the spans' soft mask). A policy that picks its keys after the prompt (SnapKV) reads them
+    all here."""
+    with policy.applied(context):
+        scored = score(model, ids, context)
+    return quality(scored["nll_sum"], scored["tokens"], n_bytes)
 
 
 def perplexities(run: Retrofit, ids: Tensor, n_bytes: int) -> dict[str, dict]:
