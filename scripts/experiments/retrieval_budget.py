@@ -39,11 +39,10 @@ import torch
 
 from adaspan.cli import main as adaspan
 from adaspan.config import RETRIEVAL_LOSSES, RETROFIT_OPTIMIZERS, RetrofitConfig
-from adaspan.data.corpora import load_corpus
 from adaspan.hf.cache_policies import build_policy
 from adaspan.hf.longeval import load_model_dir, paired
+from adaspan.hf.report import heldout as heldout_ids
 from adaspan.hf.report import policy_quality
-from adaspan.hf.retrofit_data import encode
 
 POLICIES = ("full", "spans", "streaming", "duo", "snapkv")
 
@@ -145,13 +144,12 @@ def heldout(args: argparse.Namespace, specs: dict[str, str]) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     base, tokenizer = load_model_dir(args.model_dir, torch.device("cpu"))
-    text = load_corpus(args.data, progress=False).valid[: args.eval_bytes]
-    ids = encode(tokenizer, text)
+    ids, n_bytes = heldout_ids(args.data, tokenizer, args.eval_bytes)
     models = {"full": (base, "full"), "spans": (load_model_dir(args.out / "spans",
                                                                torch.device("cpu"))[0], "spans"),
               **{name: (base, specs[name]) for name in ("streaming", "duo")
                  if name in args.policies}}
-    scores = {name: policy_quality(model, build_policy(spec, model), ids, len(text),
+    scores = {name: policy_quality(model, build_policy(spec, model), ids, n_bytes,
                                    args.context) for name, (model, spec) in models.items()}
     full = scores["full"]["bits_per_byte"]
     return {name: {**score, "change": score["bits_per_byte"] / full - 1}

@@ -63,10 +63,10 @@ def quality(nll_sum: float, tokens: int, n_bytes: int) -> dict[str, float]:
             "perplexity": math.exp(nll_sum / tokens)}
 
 
-def heldout(run: Retrofit, max_bytes: int) -> tuple[Tensor, int]:
-    """Token ids of the first ``max_bytes`` bytes of the text's valid split, and the bytes."""
-    text = load_corpus(run.config.data, progress=False).valid[:max_bytes]
-    return encode(run.tokenizer, text), len(text)
+def heldout(data: str, tokenizer, max_bytes: int) -> tuple[Tensor, int]:
+    """Token ids of the first ``max_bytes`` bytes of ``data``'s valid split, and the bytes."""
+    text = load_corpus(data, progress=False).valid[:max_bytes]
+    return encode(tokenizer, text), len(text)
 
 
 def policy_quality(model: nn.Module, policy: CachePolicy, ids: Tensor, n_bytes: int,
@@ -127,7 +127,7 @@ def measure_retrofit(run: Retrofit, precision: Precision, eval_bytes: int = 6553
     """The report's numbers (see the module docstring); the decode timings run within
     ``timing`` (a lock that keeps other benchmarks out, say)."""
 
-    ids, n_bytes = heldout(run, eval_bytes)
+    ids, n_bytes = heldout(run.config.data, run.tokenizer, eval_bytes)
     ids = ids.to(precision.device)
     new_tokens = min(new_tokens, run.config.context - 1)
     prompt = ids[: run.config.context - new_tokens]
