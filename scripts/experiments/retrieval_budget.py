@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from adaspan.cli import main as adaspan
-from adaspan.config import RETRIEVAL_LOSSES, RETROFIT_OPTIMIZERS, RetrofitConfig
+from adaspan.config import LR_SCHEDULES, RETRIEVAL_LOSSES, RETROFIT_OPTIMIZERS, RetrofitConfig
 from adaspan.hf.cache_policies import build_policy
 from adaspan.hf.longeval import load_model_dir, paired
 from adaspan.hf.report import heldout as heldout_ids
@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--span-loss", type=float, default=1e-5, help="bits of loss per byte of cache")
     add("--duo-loss", type=float, default=0.05, help="DuoAttention's L1 coefficient")
     add("--lr", type=float, default=0.02)
+    add("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+        help="both methods' learning-rate schedule (adaspan retrofit --lr-schedule)")
     add("--span-optimizer", choices=RETROFIT_OPTIMIZERS, default="adam",
         help="the spans' optimiser (DuoAttention's gates keep Adam)")
     add("--span-lr", type=float, help="the spans' learning rate (default: --lr)")
@@ -126,6 +128,7 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                str(args.eval_bytes), "--decode-tokens", str(args.decode_tokens), "--threads",
                str(args.threads), "--retrieval-far-full", str(args.retrieval_far_full),
                "--retrieval-weight", str(args.retrieval_weight),
+               "--lr-schedule", args.lr_schedule,
                *(("--retrieval-min-length", str(args.retrieval_min_length))
                  if args.retrieval_min_length else ()))
 

@@ -441,6 +441,8 @@ class RetrofitConfig:
     retrieval_min_length: int | None = None  # shortest retrieval prompt; None: the context
     retrieval_far_full: float = 1.0  # share of first-tenth needles' prompts filling the context
     retrieval_weight: float = 1.0  # a retrieval prompt's term in the loss, a window's being 1
+    lr_schedule: str = "constant"  # constant, or cosine / linear decay to lr * lr_end_factor
+    lr_end_factor: float = 0.1  # cosine and linear: the factor of lr at the last step
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -452,6 +454,11 @@ class RetrofitConfig:
                               f"got {self.max_span}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"lr must be a number > 0, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got "
+                              f"{self.lr_schedule!r}")
+        if not 0.0 <= self.lr_end_factor <= 1.0:
+            raise ConfigError(f"lr_end_factor must lie in [0, 1], got {self.lr_end_factor}")
         if not (self.span_loss >= 0 and math.isfinite(self.span_loss)):
             raise ConfigError(f"span_loss must be a number >= 0, got {self.span_loss}")
         if self.loss not in LOSSES:

@@ -82,8 +82,41 @@ def test_a_retrieval_weight_not_above_zero_is_refused(model_dir, tmp_path, weigh
         options(model_dir, tmp_path / "out", retrieval_weight=weight)
 
 
-def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monkeypatch):
-    whole = z_fracs(retrofit(options(model_dir, tmp_path / "whole"), FP32, progress=False))
+@pytest.mark.parametrize(("change", "message"), [
+    ({"lr_schedule": "step"}, "lr_schedule must be one of constant, cosine, linear, got 'step'"),
+    ({"lr_end_factor": 1.5}, r"lr_end_factor must lie in \[0, 1\], got 1.5"),
+    ({"lr_end_factor": float("nan")}, r"lr_end_factor must lie in \[0, 1\], got nan")])
+def test_a_bad_learning_rate_schedule_is_refused(model_dir, tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        options(model_dir, tmp_path / "out", **change)
+
+
+@pytest.mark.parametrize(("schedule", "shape"), [
+    ("constant", lambda u: 1.0),
+    ("cosine", lambda u: 0.25 + 0.75 * (1 + math.cos(math.pi * u)) / 2),
+    ("linear", lambda u: 0.25 + 0.75 * (1 - u))])
+def test_each_step_takes_the_learning_rate_of_its_schedule(model_dir, tmp_path, monkeypatch,
+                                                          schedule, shape):
+    """Step t of 6 (from 0) runs at lr * shape(t / 5): from lr to lr * lr_end_factor."""
+    used = []
+    step = Retrofit.train_step
+
+    def recorded(self, precision):
+        losses = step(self, precision)
+        used.append(self.optimizer.param_groups[0]["lr"])
+        return losses
+
+    monkeypatch.setattr(Retrofit, "train_step", recorded)
+    retrofit(options(model_dir, tmp_path / "out", lr_schedule=schedule, lr_end_factor=0.25),
+             FP32, progress=False)
+    assert used == pytest.approx([0.05 * shape(t / 5) for t in range(6)], rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monkeypatch,
+                                                      schedule):
+    whole = z_fracs(retrofit(options(model_dir, tmp_path / "whole", lr_schedule=schedule),
+                             FP32, progress=False))
     step = Retrofit.train_step
 
     def interrupted(self, precision):
@@ -93,10 +126,11 @@ def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monke
 
     monkeypatch.setattr(Retrofit, "train_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        retrofit(options(model_dir, tmp_path / "parts"), FP32, progress=False)
+        retrofit(options(model_dir, tmp_path / "parts", lr_schedule=schedule), FP32,
+                 progress=False)
     monkeypatch.setattr(Retrofit, "train_step", step)
-    resumed = retrofit(options(model_dir, tmp_path / "parts"), FP32, resume=True,
-                       progress=False)
+    resumed = retrofit(options(model_dir, tmp_path / "parts", lr_schedule=schedule), FP32,
+                       resume=True, progress=False)
     assert resumed.step == 6
     for a, b in zip(whole, z_fracs(resumed), strict=True):
         assert torch.equal(a, b)
@@ -139,6 +173,7 @@ def test_cli_writes_the_report(model_dir, tmp_path, capsys):
     (["--span-loss", "-1"], "span_loss must be a number >= 0"),
     (["--context", "128"], "max_span=128 is longer than the model's positions"),
     (["--resume"], "holds no retrofit to resume"),
+    (["--lr-schedule", "cosine", "--lr-end-factor", "2"], "lr_end_factor must lie in [0, 1]"),
 ])
 def test_cli_one_line_errors(model_dir, tmp_path, capsys, change, message):
     args = ["retrofit", str(model_dir), "--data", "kjv", "--out", str(tmp_path / "o"),

@@ -231,7 +231,8 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
                           "--eval-bytes", "500", "--decode-tokens", "2", "--span-loss", "1e-3",
                           "--span-optimizer", "sgd", "--span-lr", "0.5", "--ramp", "64",
                           "--retrieval-loss", "all", "--retrieval-far", "0.5",
-                          "--retrieval-min-length", "300", "--retrieval-weight", "1.5"])
+                          "--retrieval-min-length", "300", "--retrieval-weight", "1.5",
+                          "--lr-schedule", "linear"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
     assert set(result["policies"]) == {"full", "spans", "streaming", "duo", "snapkv"}
     budget = result["budget_bytes"]
@@ -264,7 +265,8 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
         assert (settings[method]["ramp"], settings[method]["retrieval_loss"],
                 settings[method]["retrieval_far"],
                 settings[method]["retrieval_min_length"],
-                settings[method]["retrieval_weight"]) == (64, "all", 0.5, 300, 1.5)
+                settings[method]["retrieval_weight"],
+                settings[method]["lr_schedule"]) == (64, "all", 0.5, 300, 1.5, "linear")
 
 
 def test_retrieval_budget_scores_the_policies_asked_for(model_dir, tmp_path, capsys):

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 
-from ..config import LOSSES, PENALTIES, RETRIEVAL_LOSSES, RETROFIT_OPTIMIZERS, RetrofitConfig
+from ..config import (
+    LOSSES,
+    LR_SCHEDULES,
+    PENALTIES,
+    RETRIEVAL_LOSSES,
+    RETROFIT_OPTIMIZERS,
+    RetrofitConfig,
+)
 from ..data.corpora import resolve_data
 from ..runtime.distributed import Distributed, resolve_device
 from ..runtime.precision import choose
@@ -42,6 +49,11 @@ def add_retrofit(commands) -> None:
                    help="windows per step")
     p.add_argument("--lr", type=positive_float, default=default.lr, help="the optimiser's "
                    "learning rate on z'")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=default.lr_schedule,
+                   help="constant, or a cosine or linear decay to lr * --lr-end-factor at "
+                   "the last step")
+    p.add_argument("--lr-end-factor", type=float, default=default.lr_end_factor,
+                   help="cosine and linear: the factor of --lr at the last step")
     p.add_argument("--optimizer", choices=RETROFIT_OPTIMIZERS, default=default.optimizer,
                    help="adam; sgd: each step in proportion to the gradient, so that the "
                    "penalty's scale sets how fast spans shrink")
@@ -120,7 +132,8 @@ def _retrofit(args: argparse.Namespace) -> int:
         args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head,
         args.method, args.sinks, args.penalty, args.retrieval, args.retrieval_tasks,
         args.streaming_window, args.optimizer, args.retrieval_loss, args.retrieval_far,
-        args.retrieval_min_length, args.retrieval_far_full, args.retrieval_weight)
+        args.retrieval_min_length, args.retrieval_far_full, args.retrieval_weight,
+        args.lr_schedule, args.lr_end_factor)
     dist = Distributed.from_env()
     device = _process_device(args.device, dist)
     with dist.joined(device):  # a sharded model is measured by the processes together

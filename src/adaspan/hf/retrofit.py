@@ -8,7 +8,8 @@ trained, on random windows of ``context`` tokens of the text's train split, to m
 
 where p_full is the frozen model's next-token distribution with its own attention (computed
 under ``no_grad``) and p_z the same model with the soft mask m_z (eq. 2) in every head. Adam
-(or SGD: ``optimizer="sgd"``) steps z'; after each step z' is clamped to [0, 1]. The window of
+(or SGD: ``optimizer="sgd"``) steps z' at ``lr`` (or a cosine or linear decay of it:
+``lr_schedule``); after each step z' is clamped to [0, 1]. The window of
 each step is drawn from (seed, step) alone, so a run resumed from its checkpoint continues bit
 for bit.
 
@@ -41,12 +42,23 @@ from ..run.lock import hold
 from ..runtime.distributed import Distributed
 from ..runtime.precision import Precision
 from ..runtime.signals import deferred_signals
+from ..training.optim import decay
 from .methods import METHODS, Method
 from .retrofit_data import TrainData
 
 STATE_FILE = "retrofit_state.pt"  # the step, z' of every layer, the optimiser
 SETTINGS_FILE = "retrofit_settings.json"  # the RetrofitConfig of the run
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # RetrofitConfig.optimizer
+
+
+def learning_rate(config: RetrofitConfig, step: int) -> float:
+    """The learning rate of optimiser step ``step`` (from 0): ``lr``, or its decay
+    (``lr_schedule`` cosine or linear) to ``lr * lr_end_factor`` at the last step,
+    ``steps - 1``. It depends on the step alone, so a resumed run takes the same steps."""
+    if config.lr_schedule == "constant":
+        return config.lr
+    done = min(1.0, step / max(1, config.steps - 1))
+    return config.lr * decay(config.lr_schedule, done, config.lr_end_factor)
 
 
 class RetrofitError(UserError):
@@ -186,6 +198,8 @@ class Retrofit:
         sum(losses.values()).backward()
         terms = torch.stack([value.detach().float() for value in losses.values()])
         self.dist.average([*(p.grad for p in self.trained()), terms])
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.config, self.step)
         self.optimizer.step()
         self.method.clamp(self.model)
         self.step += 1
