@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--lr", type=float, default=0.02)
     add("--lr-schedule", choices=LR_SCHEDULES, default="constant",
         help="both methods' learning-rate schedule (adaspan retrofit --lr-schedule)")
+    add("--lr-decay-steps", type=int, help="the schedule decays over the last N steps "
+        "(adaspan retrofit --lr-decay-steps; default: all)")
     add("--span-optimizer", choices=RETROFIT_OPTIMIZERS, default="adam",
         help="the spans' optimiser (DuoAttention's gates keep Adam)")
     add("--span-lr", type=float, help="the spans' learning rate (default: --lr)")
@@ -130,7 +132,8 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                "--retrieval-weight", str(args.retrieval_weight),
                "--lr-schedule", args.lr_schedule,
                *(("--retrieval-min-length", str(args.retrieval_min_length))
-                 if args.retrieval_min_length else ()))
+                 if args.retrieval_min_length else ()),
+               *(("--lr-decay-steps", str(args.lr_decay_steps)) if args.lr_decay_steps else ()))
 
 
 def longeval(args: argparse.Namespace, model: Path, cache: str, name: str) -> dict:

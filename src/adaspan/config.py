@@ -443,6 +443,7 @@ class RetrofitConfig:
     retrieval_weight: float = 1.0  # a retrieval prompt's term in the loss, a window's being 1
     lr_schedule: str = "constant"  # constant, or cosine / linear decay to lr * lr_end_factor
     lr_end_factor: float = 0.1  # cosine and linear: the factor of lr at the last step
+    lr_decay_steps: int | None = None  # cosine and linear: decay over the last N steps only
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -459,6 +460,7 @@ class RetrofitConfig:
                               f"{self.lr_schedule!r}")
         if not 0.0 <= self.lr_end_factor <= 1.0:
             raise ConfigError(f"lr_end_factor must lie in [0, 1], got {self.lr_end_factor}")
+        self._check_decay_steps()
         if not (self.span_loss >= 0 and math.isfinite(self.span_loss)):
             raise ConfigError(f"span_loss must be a number >= 0, got {self.span_loss}")
         if self.loss not in LOSSES:
@@ -466,6 +468,17 @@ class RetrofitConfig:
         if not isinstance(self.per_kv_head, bool):
             raise ConfigError(f"per_kv_head must be true or false, got {self.per_kv_head!r}")
         self._check_methods()
+
+    def _check_decay_steps(self) -> None:
+        """``lr_decay_steps``: None, or a positive integer with a schedule that decays."""
+        if self.lr_decay_steps is None:
+            return
+        if not _is_int(self.lr_decay_steps) or self.lr_decay_steps < 1:
+            raise ConfigError(f"lr_decay_steps must be a positive integer, got "
+                              f"{self.lr_decay_steps!r}")
+        if self.lr_schedule == "constant":
+            raise ConfigError("lr_decay_steps sets how long the rate decays: give it with "
+                              "lr_schedule cosine or linear")
 
     def _check_methods(self) -> None:
         """The options of what trains and how, and on what: method, penalty, optimizer,

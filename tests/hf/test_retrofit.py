@@ -85,19 +85,24 @@ def test_a_retrieval_weight_not_above_zero_is_refused(model_dir, tmp_path, weigh
 @pytest.mark.parametrize(("change", "message"), [
     ({"lr_schedule": "step"}, "lr_schedule must be one of constant, cosine, linear, got 'step'"),
     ({"lr_end_factor": 1.5}, r"lr_end_factor must lie in \[0, 1\], got 1.5"),
-    ({"lr_end_factor": float("nan")}, r"lr_end_factor must lie in \[0, 1\], got nan")])
+    ({"lr_end_factor": float("nan")}, r"lr_end_factor must lie in \[0, 1\], got nan"),
+    ({"lr_schedule": "cosine", "lr_decay_steps": 0}, "lr_decay_steps must be a positive int"),
+    ({"lr_decay_steps": 3}, "lr_decay_steps sets how long the rate decays: give it with")])
 def test_a_bad_learning_rate_schedule_is_refused(model_dir, tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):
         options(model_dir, tmp_path / "out", **change)
 
 
-@pytest.mark.parametrize(("schedule", "shape"), [
-    ("constant", lambda u: 1.0),
-    ("cosine", lambda u: 0.25 + 0.75 * (1 + math.cos(math.pi * u)) / 2),
-    ("linear", lambda u: 0.25 + 0.75 * (1 - u))])
+@pytest.mark.parametrize(("schedule", "decay_steps", "rate"), [
+    ("constant", None, lambda t: 1.0),
+    ("cosine", None, lambda t: 0.25 + 0.75 * (1 + math.cos(math.pi * t / 5)) / 2),
+    ("linear", None, lambda t: 0.25 + 0.75 * (1 - t / 5)),
+    ("linear", 3, lambda t: 1.0 if t < 3 else 0.25 + 0.75 * (1 - (t - 3) / 2)),
+    ("cosine", 9, lambda t: 0.25 + 0.75 * (1 + math.cos(math.pi * t / 5)) / 2)])
 def test_each_step_takes_the_learning_rate_of_its_schedule(model_dir, tmp_path, monkeypatch,
-                                                          schedule, shape):
-    """Step t of 6 (from 0) runs at lr * shape(t / 5): from lr to lr * lr_end_factor."""
+                                                          schedule, decay_steps, rate):
+    """Step t of 6 (from 0) runs at lr * rate(t): from lr to lr * lr_end_factor at t = 5,
+    over the last ``lr_decay_steps`` steps (all 6 where it is None or more)."""
     used = []
     step = Retrofit.train_step
 
@@ -107,16 +112,17 @@ def test_each_step_takes_the_learning_rate_of_its_schedule(model_dir, tmp_path, 
         return losses
 
     monkeypatch.setattr(Retrofit, "train_step", recorded)
-    retrofit(options(model_dir, tmp_path / "out", lr_schedule=schedule, lr_end_factor=0.25),
-             FP32, progress=False)
-    assert used == pytest.approx([0.05 * shape(t / 5) for t in range(6)], rel=1e-12)
+    retrofit(options(model_dir, tmp_path / "out", lr_schedule=schedule, lr_end_factor=0.25,
+                     lr_decay_steps=decay_steps), FP32, progress=False)
+    assert used == pytest.approx([0.05 * rate(t) for t in range(6)], rel=1e-12)
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
 def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monkeypatch,
                                                       schedule):
-    whole = z_fracs(retrofit(options(model_dir, tmp_path / "whole", lr_schedule=schedule),
-                             FP32, progress=False))
+    first = retrofit(options(model_dir, tmp_path / "whole", lr_schedule=schedule), FP32,
+                     progress=False)
+    whole = z_fracs(first)
     step = Retrofit.train_step
 
     def interrupted(self, precision):
@@ -135,6 +141,27 @@ def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monke
     for a, b in zip(whole, z_fracs(resumed), strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(whole[0], torch.ones_like(whole[0]))  # the spans did move
+    assert resumed.history == first.history  # steps 2, 4 and 6, wherever the run stopped
+
+
+def test_history_holds_the_spans_after_each_checkpoint(model_dir, tmp_path, monkeypatch):
+    """Steps 2, 4 and 6 (a checkpoint every 2 of 6): that step's loss terms and spans."""
+    seen = {}
+    step = Retrofit.train_step
+
+    def watched(self, precision):
+        losses = step(self, precision)
+        seen[self.step] = (losses, [span.spans().tolist() for span in span_modules(self.model)])
+        return losses
+
+    monkeypatch.setattr(Retrofit, "train_step", watched)
+    run = retrofit(options(model_dir, tmp_path / "out", steps=5), FP32, progress=False)
+    assert [record["step"] for record in run.history] == [2, 4, 5]  # and the last step
+    for record in run.history:
+        assert (record["losses"], record["spans"]) == seen[record["step"]]
+    assert run.history[-1]["spans"] == [span.spans().tolist() for span in
+                                        span_modules(run.model)]
+    assert run.history[0]["spans"] != run.history[-1]["spans"]
 
 
 def test_report_numbers_against_direct_computation(model_dir, tmp_path):
@@ -167,6 +194,10 @@ def test_cli_writes_the_report(model_dir, tmp_path, capsys):
     assert printed.keys() == written.keys()  # printed rounded to 6 digits
     assert printed["cache"]["kv_bytes"] == written["cache"]["kv_bytes"]
     assert printed["steps"] == 2 and len(printed["spans"]) == LAYERS
+    assert [record["step"] for record in written["history"]] == [2]  # the last step
+    assert written["history"][0]["spans"] == written["spans"]
+    row = "| 2 | " + " | ".join(f"{s:,.0f}" for layer in written["spans"] for s in layer) + " |"
+    assert row in (out / "retrofit.md").read_text().splitlines()
 
 
 @pytest.mark.parametrize("change, message", [
@@ -174,6 +205,7 @@ def test_cli_writes_the_report(model_dir, tmp_path, capsys):
     (["--context", "128"], "max_span=128 is longer than the model's positions"),
     (["--resume"], "holds no retrofit to resume"),
     (["--lr-schedule", "cosine", "--lr-end-factor", "2"], "lr_end_factor must lie in [0, 1]"),
+    (["--lr-decay-steps", "3"], "lr_decay_steps sets how long the rate decays"),
 ])
 def test_cli_one_line_errors(model_dir, tmp_path, capsys, change, message):
     args = ["retrofit", str(model_dir), "--data", "kjv", "--out", str(tmp_path / "o"),

@@ -232,7 +232,7 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
                           "--span-optimizer", "sgd", "--span-lr", "0.5", "--ramp", "64",
                           "--retrieval-loss", "all", "--retrieval-far", "0.5",
                           "--retrieval-min-length", "300", "--retrieval-weight", "1.5",
-                          "--lr-schedule", "linear"])
+                          "--lr-schedule", "linear", "--lr-decay-steps", "1"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
     assert set(result["policies"]) == {"full", "spans", "streaming", "duo", "snapkv"}
     budget = result["budget_bytes"]
@@ -266,7 +266,8 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
                 settings[method]["retrieval_far"],
                 settings[method]["retrieval_min_length"],
                 settings[method]["retrieval_weight"],
-                settings[method]["lr_schedule"]) == (64, "all", 0.5, 300, 1.5, "linear")
+                settings[method]["lr_schedule"], settings[method]["lr_decay_steps"]) == (
+                    64, "all", 0.5, 300, 1.5, "linear", 1)
 
 
 def test_retrieval_budget_scores_the_policies_asked_for(model_dir, tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -54,6 +55,9 @@ def add_retrofit(commands) -> None:
                    "the last step")
     p.add_argument("--lr-end-factor", type=float, default=default.lr_end_factor,
                    help="cosine and linear: the factor of --lr at the last step")
+    p.add_argument("--lr-decay-steps", type=positive_int,
+                   help="cosine and linear: decay over the last N steps only, --lr before "
+                   "them (default: all steps)")
     p.add_argument("--optimizer", choices=RETROFIT_OPTIMIZERS, default=default.optimizer,
                    help="adam; sgd: each step in proportion to the gradient, so that the "
                    "penalty's scale sets how fast spans shrink")
@@ -127,13 +131,10 @@ def _retrofit(args: argparse.Namespace) -> int:
     from ..hf.report import markdown, write
 
     config = RetrofitConfig(
-        str(args.model_dir.resolve()), resolve_data(args.data), str(args.out.resolve()),
-        args.max_span, args.ramp, args.context, args.steps, args.batch_size, args.lr,
-        args.span_loss, args.loss, args.seed, args.checkpoint_interval, args.per_kv_head,
-        args.method, args.sinks, args.penalty, args.retrieval, args.retrieval_tasks,
-        args.streaming_window, args.optimizer, args.retrieval_loss, args.retrieval_far,
-        args.retrieval_min_length, args.retrieval_far_full, args.retrieval_weight,
-        args.lr_schedule, args.lr_end_factor)
+        model_dir=str(args.model_dir.resolve()), data=resolve_data(args.data),
+        out=str(args.out.resolve()),
+        **{f.name: getattr(args, f.name) for f in fields(RetrofitConfig)
+           if f.name not in ("model_dir", "data", "out")})
     dist = Distributed.from_env()
     device = _process_device(args.device, dist)
     with dist.joined(device):  # a sharded model is measured by the processes together

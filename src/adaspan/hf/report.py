@@ -1,7 +1,8 @@
 """The report of ``adaspan retrofit``: what the learned spans cost and save, each measured
 side by side with the frozen model's own (full) attention in the same call.
 
-* the spans of every head, min(S, z + R) (the paper's Figure 4 convention);
+* the spans of every head, min(S, z + R) (the paper's Figure 4 convention), at the end and
+  at each checkpoint of the run (``history``, with the step's loss terms);
 * held-out bits per byte and perplexity per token, full attention and spans: the text's valid
   split, in windows of ``context`` tokens that overlap by one, so that every token but the
   first is predicted once (from the tokens before it in its window);
@@ -138,8 +139,8 @@ def measure_retrofit(run: Retrofit, precision: Precision, eval_bytes: int = 6553
     return {"model": run.config.model_dir, "steps": run.step,
             "settings": asdict(run.config),
             "spans": [span.spans().tolist() for span in span_modules(run.model)],
-            "heldout": quality_, "cache": cache, "precision": precision.record(),
-            "versions": versions()}
+            "history": run.history, "heldout": quality_, "cache": cache,
+            "precision": precision.record(), "versions": versions()}
 
 
 def versions() -> dict[str, str]:
@@ -166,8 +167,22 @@ def markdown(report: dict) -> str:
     lines += [f"| {name} | {_number(a)} | {_number(b)} | {note} |" for name, a, b, note in rows]
     lines += ["", f"Held-out: {held['bytes']} bytes, {held['tokens']} tokens scored; "
               f"decode: {cache['new_tokens']} tokens, median of {cache['rounds']} rounds; "
-              f"{report['precision']['dtype']} on {report['precision']['device']}."]
-    return "\n".join(lines) + "\n"
+              f"{report['precision']['dtype']} on {report['precision']['device']}.", ""]
+    return "\n".join(lines + history_table(report["history"]))
+
+
+def history_table(history: list[dict]) -> list[str]:
+    """The spans after each checkpoint's step, one row per step (lines of a Markdown table)."""
+    if not history:
+        return []
+    heads = [f"L{i}h{h}" for i, layer in enumerate(history[0]["spans"])
+             for h in range(len(layer))]
+    lines = ["Spans after each checkpoint's step:", "",
+             "| step | " + " | ".join(heads) + " |", "|---:" * (len(heads) + 1) + "|"]
+    for record in history:
+        spans = [f"{span:,.0f}" for layer in record["spans"] for span in layer]
+        lines.append(f"| {record['step']} | " + " | ".join(spans) + " |")
+    return [*lines, ""]
 
 
 def _number(value: float) -> str:

@@ -43,6 +43,7 @@ from ..runtime.distributed import Distributed
 from ..runtime.precision import Precision
 from ..runtime.signals import deferred_signals
 from ..training.optim import decay
+from .attention import span_modules
 from .methods import METHODS, Method
 from .retrofit_data import TrainData
 
@@ -54,10 +55,13 @@ OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # RetrofitConfi
 def learning_rate(config: RetrofitConfig, step: int) -> float:
     """The learning rate of optimiser step ``step`` (from 0): ``lr``, or its decay
     (``lr_schedule`` cosine or linear) to ``lr * lr_end_factor`` at the last step,
-    ``steps - 1``. It depends on the step alone, so a resumed run takes the same steps."""
+    ``steps - 1``, over the last ``lr_decay_steps`` steps (``lr`` before them; None: all).
+    It depends on the step alone, so a resumed run takes the same steps."""
     if config.lr_schedule == "constant":
         return config.lr
-    done = min(1.0, step / max(1, config.steps - 1))
+    decaying = min(config.lr_decay_steps or config.steps, config.steps)
+    first = config.steps - decaying
+    done = min(1.0, max(0.0, (step - first) / max(1, decaying - 1)))
     return config.lr * decay(config.lr_schedule, done, config.lr_end_factor)
 
 
@@ -153,6 +157,7 @@ class Retrofit:
     step: int = 0
     dist: Distributed = field(default_factory=Distributed)
     sharded: bool = False
+    history: list[dict] = field(default_factory=list)  # see record()
 
     @property
     def out(self) -> Path:
@@ -173,7 +178,7 @@ class Retrofit:
         if not self.dist.is_main:
             return
         state = {"step": self.step, "z_frac": [p.detach().cpu() for p in self.trained()],
-                 "optimizer": self.optimizer.state_dict()}
+                 "optimizer": self.optimizer.state_dict(), "history": self.history}
         atomic_write({self.out / STATE_FILE: lambda path: torch.save(state, path)})
 
     def restore(self) -> None:
@@ -183,6 +188,13 @@ class Retrofit:
                 param.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
+        self.history = state.get("history", [])  # none in older checkpoints
+
+    def record(self, losses: dict[str, float]) -> None:
+        """Add to ``history`` the step, its loss terms and the spans after it, min(S, z + R)
+        per layer and head (none for a method without spans), to show how they moved."""
+        self.history.append({"step": self.step, "losses": losses, "spans": [
+            span.spans().tolist() for span in span_modules(self.model)]})
 
     def train_step(self, precision: Precision) -> dict[str, float]:
         """One optimiser step of z' (then z' clamped to [0, 1]) on this rank's rows of the
@@ -233,7 +245,9 @@ class Retrofit:
                     losses = self.train_step(precision)
                     bar.update()
                     bar.set_postfix(losses, refresh=False)
-                    if self.step % self.config.checkpoint_interval == 0:
+                    if (self.step % self.config.checkpoint_interval == 0
+                            or self.step == self.config.steps):
+                        self.record(losses)
                         self.save_state()
                     if self.dist.largest([received() != 0])[0]:
                         raise KeyboardInterrupt(f"stopped after step {self.step}, saved: "
