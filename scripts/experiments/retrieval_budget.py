@@ -23,8 +23,8 @@ retrieval at one cache budget, side by side on one model, and print the comparis
 Output: ``--out`` holds each run (``spans/``, ``duo/``, ``eval-POLICY/`` with the heatmaps) and
 ``retrieval_budget.json``: per policy the mean accuracy per task and length, the bytes held,
 the prompts it lost and gained against full attention on the same prompts with the sign test's
-p (``against_full``); ``heldout``; and the spans' retrofit report (held-out bits per byte,
-decode speed).
+p (``against_full``); ``heldout``; and the spans' retrofit report (the spans and their
+history, held-out bits per byte, decode speed).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         evaluated[name] = longeval(args, args.model_dir, specs[name], name)
     result = {"model": str(args.model_dir), "budget_bytes": budget, "at_length": longest,
               "options": {k: str(v) for k, v in vars(args).items()},
-              "retrofit": {k: report.get(k) for k in ("spans", "heldout", "cache")},
+              "retrofit": {k: report.get(k) for k in ("spans", "history", "heldout", "cache")},
               "heldout": heldout(args, specs),
               "policies": {name: {"cache": evaluated[name]["cache"],
                                   **summary(evaluated[name], evaluated["full"])}

@@ -247,6 +247,7 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
             assert cell["prompts"] == 1
             assert cell["difference"] == policy["accuracy"][task]["400"] - \
                 result["policies"]["full"]["accuracy"][task]["400"]
+    assert result["retrofit"]["history"][-1]["spans"] == result["retrofit"]["spans"]
     held, report = result["heldout"], result["retrofit"]["heldout"]
     assert set(held) == {"full", "spans", "streaming", "duo"}  # SnapKV: no prompt in a text
     for name in ("full", "spans"):  # as the retrofit's report scored them
