@@ -131,9 +131,14 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                str(args.threads), "--retrieval-far-full", str(args.retrieval_far_full),
                "--retrieval-weight", str(args.retrieval_weight),
                "--lr-schedule", args.lr_schedule,
-               *(("--retrieval-min-length", str(args.retrieval_min_length))
-                 if args.retrieval_min_length else ()),
-               *(("--lr-decay-steps", str(args.lr_decay_steps)) if args.lr_decay_steps else ()))
+               *given(args, "retrieval_min_length", "lr_decay_steps"))
+
+
+def given(args: argparse.Namespace, *names: str) -> list[str]:
+    """The options among ``names`` given on the command line, as ``adaspan`` arguments: those
+    left out take ``adaspan retrofit``'s defaults, and a bad value (0 too) is its error."""
+    return [item for name in names if getattr(args, name) is not None
+            for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
 
 
 def longeval(args: argparse.Namespace, model: Path, cache: str, name: str) -> dict:
