@@ -288,7 +288,6 @@ def test_retrieval_budget_scores_the_policies_asked_for(model_dir, tmp_path, cap
                            "--policies", "spans,h2o"])
 
 
-
 @pytest.mark.parametrize(("option", "message"), [
     ("--lr-decay-steps", "--lr-decay-steps: must be a positive integer, got '0'"),
     ("--retrieval-min-length", "--retrieval-min-length: must be a positive integer, got '0'")])
@@ -303,6 +302,7 @@ def test_retrieval_budget_passes_a_zero_on_to_be_refused(model_dir, tmp_path, ca
                      "--lr-schedule", "cosine", option, "0"])
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "cmp" / "spans" / "retrofit.json").exists()
+
 
 def test_span_objective_script_scores_the_retrofit_s_own_loss(model_dir, tmp_path, capsys):
     """The objective of learned and edited spans on the retrofit's batches after its steps:
