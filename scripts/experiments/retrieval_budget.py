@@ -6,9 +6,10 @@ retrieval at one cache budget, side by side on one model, and print the comparis
         --context 4096 --lengths 2048,4096 --steps 60 --span-loss 1e-5
 
 1. ``adaspan retrofit`` learns spans (``--method spans``, penalty per byte of cache, sinks, one
-   span per key/value head; ``--span-optimizer``, ``--span-lr``) and DuoAttention's gates
-   (``--method duo``, Adam at ``--lr``) with the same data and steps: windows of ``--data`` of
-   which ``--retrieval`` are ``--retrieval-tasks`` prompts (pass key alone by default).
+   span per key/value head; ``--span-optimizer``, ``--span-lr``, ``--cache-ratio``) and
+   DuoAttention's gates (``--method duo``, Adam at ``--lr``) with the same data and steps:
+   windows of ``--data`` of which ``--retrieval`` are ``--retrieval-tasks`` prompts (pass key
+   alone by default).
 2. The budget is the mean of the bytes the spans' cache holds after the longest prompts.
 3. ``adaspan longeval`` scores, on the ``--haystack`` text (which the spans did not train on)
    and every task (most of which they did not see): the model with full attention (``full``),
@@ -72,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the spans' optimiser (DuoAttention's gates keep Adam)")
     add("--span-lr", type=float, help="the spans' learning rate (default: --lr)")
     add("--ramp", type=int, default=RetrofitConfig.ramp, help="the spans' ramp R")
+    add("--cache-ratio", type=float, help="the spans' cache held RATIO times smaller than full "
+        "attention's at the context (adaspan retrofit --cache-ratio; default: no bound)")
     add("--sinks", type=int, default=4)
     add("--streaming-window", type=int, default=256)
     add("--retrieval", type=float, default=0.5)
@@ -131,7 +134,8 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                str(args.threads), "--retrieval-far-full", str(args.retrieval_far_full),
                "--retrieval-weight", str(args.retrieval_weight),
                "--lr-schedule", args.lr_schedule,
-               *given(args, "retrieval_min_length", "lr_decay_steps"))
+               *given(args, "retrieval_min_length", "lr_decay_steps"),
+               *(given(args, "cache_ratio") if spans else ()))
 
 
 def given(args: argparse.Namespace, *names: str) -> list[str]:

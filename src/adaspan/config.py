@@ -444,6 +444,7 @@ class RetrofitConfig:
     lr_schedule: str = "constant"  # constant, or cosine / linear decay to lr * lr_end_factor
     lr_end_factor: float = 0.1  # cosine and linear: the factor of lr at the last step
     lr_decay_steps: int | None = None  # cosine and linear: decay over the last N steps only
+    cache_ratio: float | None = None  # spans: hold at most full / ratio bytes at the context
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -461,6 +462,7 @@ class RetrofitConfig:
         if not 0.0 <= self.lr_end_factor <= 1.0:
             raise ConfigError(f"lr_end_factor must lie in [0, 1], got {self.lr_end_factor}")
         self._check_decay_steps()
+        self._check_cache_ratio()
         if not (self.span_loss >= 0 and math.isfinite(self.span_loss)):
             raise ConfigError(f"span_loss must be a number >= 0, got {self.span_loss}")
         if self.loss not in LOSSES:
@@ -479,6 +481,16 @@ class RetrofitConfig:
         if self.lr_schedule == "constant":
             raise ConfigError("lr_decay_steps sets how long the rate decays: give it with "
                               "lr_schedule cosine or linear")
+
+    def _check_cache_ratio(self) -> None:
+        """``cache_ratio``: None, or a number >= 1 for a method with spans."""
+        if self.cache_ratio is None:
+            return
+        if not _is_number(self.cache_ratio) or self.cache_ratio < 1:
+            raise ConfigError(f"cache_ratio must be a number >= 1, got {self.cache_ratio!r}")
+        if self.method != "spans":
+            raise ConfigError(f"cache_ratio bounds the cache the spans hold: method "
+                              f"{self.method!r} has none")
 
     def _check_methods(self) -> None:
         """The options of what trains and how, and on what: method, penalty, optimizer,

@@ -1,5 +1,6 @@
-"""The cache in bytes: what SpanCache holds is what span_cache_bytes says, and the penalty per
-byte of cache is ln 2 * lambda * the bytes of the spans' z."""
+"""The cache in bytes: what SpanCache holds is what span_cache_bytes says, the penalty per
+byte of cache is ln 2 * lambda * the bytes of the spans' z, and limit_cache lowers every z' by
+the least shared amount that meets a budget."""
 
 import math
 
@@ -10,8 +11,9 @@ pytest.importorskip("transformers", reason="adaspan.hf needs transformers (adasp
 import torch
 from helpers import tiny_hf
 
+from adaspan.errors import UserError
 from adaspan.hf import SpanCache, add_spans, cache_argument, kv_bytes, span_modules
-from adaspan.hf.budget import cache_loss, full_cache_bytes, span_cache_bytes
+from adaspan.hf.budget import cache_loss, full_cache_bytes, limit_cache, span_cache_bytes
 from adaspan.hf.report import full_cache_bytes as report_full_bytes
 
 SPANS = [[5.3, 9.6, 17.2, 12.4], [6.7, 6.1, 8.5, 20.3]]
@@ -53,3 +55,51 @@ def test_the_penalty_counts_bytes_of_the_longest_span_per_key_value_head(per_kv_
     if not per_kv_head:  # only the longest of each pair moves
         assert [(g != 0).tolist() for g in grads] == [[False, True, True, False],
                                                       [True, False, False, True]]
+
+
+def z_fracs(model):
+    return [span.z_frac.detach().clone() for span in span_modules(model)]
+
+
+def bytes_lowered_by(model, amount, context):
+    """Naive: a copy of z' lowered by ``amount`` (clamped at 0) set on the model, measured,
+    restored."""
+    before = z_fracs(model)
+    with torch.no_grad():
+        for span, z in zip(span_modules(model), before, strict=True):
+            span.z_frac.copy_((z - amount).clamp(0, 1))
+        held = span_cache_bytes(model, context, 2)
+        for span, z in zip(span_modules(model), before, strict=True):
+            span.z_frac.copy_(z)
+    return held
+
+
+@pytest.mark.parametrize("kind,sinks,per_kv_head", [("llama", 0, False), ("llama", 2, True),
+                                                    ("qwen2", 3, False)])
+@pytest.mark.parametrize("share", [0.65, 0.85])
+def test_limit_cache_lowers_every_z_by_the_least_amount_that_meets_the_budget(
+        kind, sinks, per_kv_head, share):
+    model, context = spanned(kind, sinks=sinks, per_kv_head=per_kv_head), 40
+    budget = share * span_cache_bytes(model, context, 2)
+    before = z_fracs(model)
+    grid = [k / 4096 for k in range(4097)]  # the least grid amount that meets the budget
+    least = next(a for a in grid if bytes_lowered_by(model, a, context) <= budget)
+    amount = limit_cache(model, budget, context)
+    assert least - 1 / 4096 < amount <= least
+    assert span_cache_bytes(model, context, 2) <= budget
+    assert bytes_lowered_by(model, -1e-6, context) > budget  # a hair less would not do
+    for z, start in zip(z_fracs(model), before, strict=True):
+        torch.testing.assert_close(z, (start - amount).clamp(0, 1))
+
+
+def test_limit_cache_leaves_spans_within_the_budget_and_refuses_one_no_spans_meet():
+    model, context = spanned("llama", sinks=2), 40
+    before, held = z_fracs(model), span_cache_bytes(model, context, 2)
+    assert limit_cache(model, held, context) == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(z_fracs(model), before, strict=True))
+    least = bytes_lowered_by(model, 1.0, context)  # every z = 0: sinks + R - 1 per head
+    assert least == 2 * 2 * (2 + 3) * 2 * 8 * 2  # layers, kv heads, positions, k+v, d, bf16
+    with pytest.raises(UserError, match="cannot be met"):
+        limit_cache(model, least - 1, context)
+    assert all(torch.equal(a, b) for a, b in zip(z_fracs(model), before, strict=True))
+    assert limit_cache(model, least, context) > 0 and span_cache_bytes(model, context, 2) == least

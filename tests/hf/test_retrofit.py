@@ -21,8 +21,9 @@ from adaspan.cli import main
 from adaspan.data.corpora import load_corpus
 from adaspan.errors import ConfigError
 from adaspan.hf import load_pretrained, span_modules
+from adaspan.hf.budget import full_cache_bytes, span_cache_bytes
 from adaspan.hf.report import REPORT_FILE, measure_retrofit
-from adaspan.hf.retrofit import Retrofit, retrofit
+from adaspan.hf.retrofit import Retrofit, cache_budget, retrofit
 from adaspan.run.lock import RunLockedError, WriterLock
 from adaspan.runtime.precision import choose
 
@@ -66,6 +67,33 @@ def test_the_first_step_moves_z_by_the_optimizer_s_rule(model_dir, tmp_path, opt
                    progress=False)
     for z in z_fracs(run):
         torch.testing.assert_close(z, torch.full_like(z, 1 - step))
+
+
+def test_the_cache_budget_tightens_over_the_first_half_of_the_steps(model_dir, tmp_path):
+    config = options(model_dir, tmp_path, steps=8, cache_ratio=4.0)
+    assert [cache_budget(config, 1000, step) for step in (0, 2, 4, 8)] == [1000, 625, 250, 250]
+
+
+def test_a_cache_ratio_holds_the_spans_to_their_budget(model_dir, tmp_path, monkeypatch):
+    """Without a penalty the spans stay at S (test above); with cache_ratio every z is
+    lowered to the budget of each step, and no further."""
+    budgets = []
+    real = Retrofit.train_step
+
+    def step(self, precision):
+        losses = real(self, precision)
+        budgets.append((cache_budget(self.config, self.full_cache, self.step),
+                        span_cache_bytes(self.model, CONTEXT, 2)))
+        return losses
+
+    monkeypatch.setattr(Retrofit, "train_step", step)
+    config = options(model_dir, tmp_path / "out", span_loss=0.0, cache_ratio=2.5, steps=4)
+    run = retrofit(config, FP32, progress=False)
+    full = full_cache_bytes(run.model.config, CONTEXT, 2)
+    assert [budget for budget, _ in budgets] == [full * 0.7, full * 0.4, full * 0.4, full * 0.4]
+    position = 2 * D_HEAD * 2  # one more position of one key/value head
+    for budget, held in budgets:
+        assert budget - LAYERS * KV_HEADS * position < held <= budget
 
 
 @pytest.mark.parametrize(("name", "message"), [
@@ -206,6 +234,10 @@ def test_cli_writes_the_report(model_dir, tmp_path, capsys):
     (["--resume"], "holds no retrofit to resume"),
     (["--lr-schedule", "cosine", "--lr-end-factor", "2"], "lr_end_factor must lie in [0, 1]"),
     (["--lr-decay-steps", "3"], "lr_decay_steps sets how long the rate decays"),
+    (["--cache-ratio", "0.5"], "cache_ratio must be a number >= 1"),
+    (["--method", "duo", "--cache-ratio", "2"], "method 'duo' has none"),
+    (["--context", "64", "--ramp", "4", "--cache-ratio", "1000"],
+     "cannot be met: ask for less, or a shorter ramp"),
 ])
 def test_cli_one_line_errors(model_dir, tmp_path, capsys, change, message):
     args = ["retrofit", str(model_dir), "--data", "kjv", "--out", str(tmp_path / "o"),

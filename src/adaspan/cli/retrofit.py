@@ -93,6 +93,11 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
                    "every query reads whatever its span (attention sinks)")
     p.add_argument("--penalty", choices=PENALTIES, default=default.penalty, help="the span "
                    "loss's lambda: per head (lambda/M), or bits of loss per byte of bf16 cache")
+    p.add_argument("--cache-ratio", type=positive_float, metavar="RATIO",
+                   help="spans: after each step, lower every z by the least shared amount that "
+                   "keeps the cache at --context positions RATIO times smaller than full "
+                   "attention's (the bound tightens from the full cache over the first half "
+                   "of the steps)")
     p.add_argument("--retrieval", type=float, default=default.retrieval, help="share of each "
                    "step's windows that are retrieval prompts with their answers")
     p.add_argument("--retrieval-tasks", default=default.retrieval_tasks, help="their tasks "

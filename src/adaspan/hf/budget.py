@@ -1,5 +1,5 @@
-"""The key/value cache counted in bytes: what a model's spans hold, and a span penalty whose
-coefficient reads as bits of loss per byte of cache.
+"""The key/value cache counted in bytes: what a model's spans hold, a span penalty whose
+coefficient reads as bits of loss per byte of cache, and spans held to a budget of bytes.
 
 A key/value head holds, per position, a key and a value of ``head_dim`` elements each. With
 spans, it holds ``sinks`` + window - 1 positions, window = min(S, ceil(z + R)) of the longest
@@ -14,9 +14,12 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..errors import UserError
 from .attention import attached_spans
 from .span_cache import head_windows
 from .spans import key_value_heads
+
+BISECTIONS = 32  # of the shared amount limit_cache lowers z' by: S / 2**32 tokens at the end
 
 
 def head_dim(config) -> int:
@@ -62,3 +65,56 @@ def cache_loss(model: nn.Module, bits_per_byte: float, element_size: int = 2) ->
         z = span.z()
         positions.append(z.view(kv, -1).amax(dim=1).sum() if z.numel() > kv else z.sum())
     return math.log(2) * bits_per_byte * per_position * torch.stack(positions).sum()
+
+
+def _lower(model: nn.Module, amount: float) -> None:
+    """Every z' of the model's spans lowered by ``amount``, then clamped to [0, 1]."""
+    for span in attached_spans(model):
+        span.z_frac.sub_(amount).clamp_(0.0, 1.0)
+
+
+@torch.no_grad()
+def lowered_cache_bytes(model: nn.Module, amount: float, context: int,
+                        element_size: int = 2) -> int:
+    """:func:`span_cache_bytes` of the spans with every z' lowered by ``amount`` (clamped at
+    0); the spans themselves are left as they are."""
+    saved = [span.z_frac.clone() for span in attached_spans(model)]
+    _lower(model, amount)
+    try:
+        return span_cache_bytes(model, context, element_size)
+    finally:
+        for span, z_frac in zip(attached_spans(model), saved, strict=True):
+            span.z_frac.copy_(z_frac)
+
+
+def check_budget(model: nn.Module, budget: float, context: int, element_size: int = 2) -> None:
+    """Refuse a budget of bytes below the least the spans can hold after ``context``
+    positions: every z = 0, each key/value head its sinks and R - 1 positions."""
+    least = lowered_cache_bytes(model, 1.0, context, element_size)
+    if least > budget:
+        full = full_cache_bytes(model.config, context, element_size)
+        raise UserError(f"the spans hold at least {least} bytes after {context} positions "
+                        f"(every z = 0: sinks and ramp), {full / least:.3g}x less than full "
+                        f"attention; a budget of {budget:.0f} bytes ({full / budget:.3g}x) "
+                        "cannot be met: ask for less, or a shorter ramp")
+
+
+@torch.no_grad()
+def limit_cache(model: nn.Module, budget: float, context: int, element_size: int = 2) -> float:
+    """Hold the spans to ``budget`` bytes after ``context`` positions (:func:`span_cache_bytes`):
+    lower every z' by the least shared amount that does it (found by bisection; z' clamped at
+    0), the projection of z onto the budget of a sum of spans. Returns the amount (0: the
+    spans were within the budget). A budget no spans can meet is :func:`check_budget`'s
+    error."""
+    if span_cache_bytes(model, context, element_size) <= budget:
+        return 0.0
+    check_budget(model, budget, context, element_size)
+    low, high = 0.0, 1.0  # held(low) > budget >= held(high)
+    for _ in range(BISECTIONS):
+        middle = (low + high) / 2
+        if lowered_cache_bytes(model, middle, context, element_size) <= budget:
+            high = middle
+        else:
+            low = middle
+    _lower(model, high)
+    return high

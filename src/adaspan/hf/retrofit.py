@@ -9,7 +9,9 @@ trained, on random windows of ``context`` tokens of the text's train split, to m
 where p_full is the frozen model's next-token distribution with its own attention (computed
 under ``no_grad``) and p_z the same model with the soft mask m_z (eq. 2) in every head. Adam
 (or SGD: ``optimizer="sgd"``) steps z' at ``lr`` (or a cosine or linear decay of it:
-``lr_schedule``); after each step z' is clamped to [0, 1]. The window of
+``lr_schedule``); after each step z' is clamped to [0, 1] and, with ``cache_ratio``, every
+z' lowered by the least shared amount that holds the cache within a budget of bytes
+(:func:`cache_budget`, :func:`adaspan.hf.budget.limit_cache`). The window of
 each step is drawn from (seed, step) alone, so a run resumed from its checkpoint continues bit
 for bit.
 
@@ -44,7 +46,8 @@ from ..runtime.precision import Precision
 from ..runtime.signals import deferred_signals
 from ..training.optim import decay
 from .attention import span_modules
-from .methods import METHODS, Method
+from .budget import check_budget, full_cache_bytes, limit_cache
+from .methods import BYTES_PER_ELEMENT, METHODS, Method
 from .retrofit_data import TrainData
 
 STATE_FILE = "retrofit_state.pt"  # the step, z' of every layer, the optimiser
@@ -63,6 +66,15 @@ def learning_rate(config: RetrofitConfig, step: int) -> float:
     first = config.steps - decaying
     done = min(1.0, max(0.0, (step - first) / max(1, decaying - 1)))
     return config.lr * decay(config.lr_schedule, done, config.lr_end_factor)
+
+
+def cache_budget(config: RetrofitConfig, full: int, step: int) -> float:
+    """With ``cache_ratio``, the bytes the spans may hold after optimiser step ``step`` (from
+    1): the full cache's ``full`` bytes lowered linearly to ``full / cache_ratio`` at half the
+    steps, then that. The spans shrink to the budget rather than being cut to it at once: a
+    head cut short gets no gradient from keys beyond its ramp, and would not find them again."""
+    done = min(1.0, step / max(1.0, config.steps / 2))
+    return full + (full / config.cache_ratio - full) * done
 
 
 class RetrofitError(UserError):
@@ -164,6 +176,11 @@ class Retrofit:
         return Path(self.config.out)
 
     @property
+    def full_cache(self) -> int:
+        """Bytes of the frozen model's keys and values after ``context`` positions (bf16)."""
+        return full_cache_bytes(self.model.config, self.config.context, BYTES_PER_ELEMENT)
+
+    @property
     def method(self) -> Method:
         """What trains (``config.method``)."""
         return METHODS[self.config.method]
@@ -215,6 +232,9 @@ class Retrofit:
         self.optimizer.step()
         self.method.clamp(self.model)
         self.step += 1
+        if self.config.cache_ratio is not None:
+            limit_cache(self.model, cache_budget(self.config, self.full_cache, self.step),
+                        self.config.context)
         return dict(zip(losses, terms.tolist(), strict=True))
 
     def save(self) -> None:
@@ -301,6 +321,9 @@ def prepare(config: RetrofitConfig, resume: bool, device: torch.device, dist: Di
     original = model.config._attn_implementation
     method = METHODS[config.method]
     method.attach(model, config)
+    if config.cache_ratio is not None:
+        full = full_cache_bytes(model.config, config.context, BYTES_PER_ELEMENT)
+        check_budget(model, full / config.cache_ratio, config.context)
     if shard:
         shard_frozen(model, device, method)
     optimizer = OPTIMIZERS[config.optimizer](method.parameters(model), lr=config.lr)
