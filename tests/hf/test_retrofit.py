@@ -145,11 +145,12 @@ def test_each_step_takes_the_learning_rate_of_its_schedule(model_dir, tmp_path, 
     assert used == pytest.approx([0.05 * rate(t) for t in range(6)], rel=1e-12)
 
 
-@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+@pytest.mark.parametrize(("schedule", "ratio"), [("constant", None), ("cosine", None),
+                                                 ("constant", 3.0)])
 def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monkeypatch,
-                                                      schedule):
-    first = retrofit(options(model_dir, tmp_path / "whole", lr_schedule=schedule), FP32,
-                     progress=False)
+                                                      schedule, ratio):
+    first = retrofit(options(model_dir, tmp_path / "whole", lr_schedule=schedule,
+                             cache_ratio=ratio), FP32, progress=False)
     whole = z_fracs(first)
     step = Retrofit.train_step
 
@@ -160,11 +161,11 @@ def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monke
 
     monkeypatch.setattr(Retrofit, "train_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        retrofit(options(model_dir, tmp_path / "parts", lr_schedule=schedule), FP32,
-                 progress=False)
+        retrofit(options(model_dir, tmp_path / "parts", lr_schedule=schedule,
+                         cache_ratio=ratio), FP32, progress=False)
     monkeypatch.setattr(Retrofit, "train_step", step)
-    resumed = retrofit(options(model_dir, tmp_path / "parts", lr_schedule=schedule), FP32,
-                       resume=True, progress=False)
+    resumed = retrofit(options(model_dir, tmp_path / "parts", lr_schedule=schedule,
+                               cache_ratio=ratio), FP32, resume=True, progress=False)
     assert resumed.step == 6
     for a, b in zip(whole, z_fracs(resumed), strict=True):
         assert torch.equal(a, b)
