@@ -103,3 +103,18 @@ def test_limit_cache_leaves_spans_within_the_budget_and_refuses_one_no_spans_mee
         limit_cache(model, least - 1, context)
     assert all(torch.equal(a, b) for a, b in zip(z_fracs(model), before, strict=True))
     assert limit_cache(model, least, context) > 0 and span_cache_bytes(model, context, 2) == least
+
+
+def test_a_span_a_step_took_above_s_gives_up_its_excess_first():
+    """limit_cache runs before the clamp to [0, 1]: z' = 1.5 (S/2 above S) holds S until the
+    shared amount exceeds 0.5, the projection onto the box and the budget together."""
+    model, context = spanned("llama"), 80
+    with torch.no_grad():
+        span_modules(model)[0].z_frac[0] = 1.5
+    before = z_fracs(model)
+    budget = span_cache_bytes(model, context, 2) - 2 * 8 * 2 * 6  # six positions fewer
+    amount = limit_cache(model, budget, context)
+    assert 0 < amount < 0.5 and span_cache_bytes(model, context, 2) <= budget
+    assert span_modules(model)[0].z_frac[0].item() == 1.0
+    for z, start in zip(z_fracs(model), before, strict=True):
+        torch.testing.assert_close(z, (start - amount).clamp(0, 1))

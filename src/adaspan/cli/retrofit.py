@@ -96,8 +96,8 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
     p.add_argument("--cache-ratio", type=positive_float, metavar="RATIO",
                    help="spans: after each step, lower every z by the least shared amount that "
                    "keeps the cache at --context positions RATIO times smaller than full "
-                   "attention's (the bound tightens from the full cache over the first half "
-                   "of the steps)")
+                   "attention's (the bound tightens from the full cache until the rate starts to "
+                   "decay, or the last step)")
     p.add_argument("--retrieval", type=float, default=default.retrieval, help="share of each "
                    "step's windows that are retrieval prompts with their answers")
     p.add_argument("--retrieval-tasks", default=default.retrieval_tasks, help="their tasks "

@@ -9,8 +9,8 @@ trained, on random windows of ``context`` tokens of the text's train split, to m
 where p_full is the frozen model's next-token distribution with its own attention (computed
 under ``no_grad``) and p_z the same model with the soft mask m_z (eq. 2) in every head. Adam
 (or SGD: ``optimizer="sgd"``) steps z' at ``lr`` (or a cosine or linear decay of it:
-``lr_schedule``); after each step z' is clamped to [0, 1] and, with ``cache_ratio``, every
-z' lowered by the least shared amount that holds the cache within a budget of bytes
+``lr_schedule``); after each step z' is clamped to [0, 1], with ``cache_ratio`` first
+lowered by the least shared amount that holds the cache within a budget of bytes
 (:func:`cache_budget`, :func:`adaspan.hf.budget.limit_cache`). The window of
 each step is drawn from (seed, step) alone, so a run resumed from its checkpoint continues bit
 for bit.
@@ -70,10 +70,16 @@ def learning_rate(config: RetrofitConfig, step: int) -> float:
 
 def cache_budget(config: RetrofitConfig, full: int, step: int) -> float:
     """With ``cache_ratio``, the bytes the spans may hold after optimiser step ``step`` (from
-    1): the full cache's ``full`` bytes lowered linearly to ``full / cache_ratio`` at half the
-    steps, then that. The spans shrink to the budget rather than being cut to it at once: a
-    head cut short gets no gradient from keys beyond its ramp, and would not find them again."""
-    done = min(1.0, step / max(1.0, config.steps / 2))
+    1): the full cache's ``full`` bytes lowered linearly to ``full / cache_ratio`` at the step
+    where the rate starts to decay (``lr_decay_steps`` before the end; without such a decay,
+    the last step), then that. The spans shrink to the budget rather than being cut to it at
+    once: a head cut short gets no gradient from keys beyond its ramp, and would not find
+    them again. The step lowers z' before its clamp to [0, 1], so that a head the step took
+    above S (z' > 1) gives up its excess first: the projection onto the box and the budget
+    together."""
+    decaying = config.lr_decay_steps if config.lr_schedule != "constant" else None
+    target = config.steps - decaying if decaying and decaying < config.steps else config.steps
+    done = min(1.0, step / target)
     return full + (full / config.cache_ratio - full) * done
 
 
@@ -230,11 +236,11 @@ class Retrofit:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.config, self.step)
         self.optimizer.step()
-        self.method.clamp(self.model)
         self.step += 1
-        if self.config.cache_ratio is not None:
+        if self.config.cache_ratio is not None:  # before the clamp: see cache_budget
             limit_cache(self.model, cache_budget(self.config, self.full_cache, self.step),
                         self.config.context)
+        self.method.clamp(self.model)
         return dict(zip(losses, terms.tolist(), strict=True))
 
     def save(self) -> None:
