@@ -491,6 +491,8 @@ class RetrofitConfig:
         if self.method != "spans":
             raise ConfigError(f"cache_ratio bounds the cache the spans hold: method "
                               f"{self.method!r} has none")
+        if not self.span_loss > 0:
+            raise ConfigError("cache_ratio scales the span penalty: give it a span_loss > 0")
 
     def _check_methods(self) -> None:
         """The options of what trains and how, and on what: method, penalty, optimizer,

@@ -23,7 +23,7 @@ from adaspan.errors import ConfigError
 from adaspan.hf import load_pretrained, span_modules
 from adaspan.hf.budget import full_cache_bytes, span_cache_bytes
 from adaspan.hf.report import REPORT_FILE, measure_retrofit
-from adaspan.hf.retrofit import Retrofit, cache_budget, retrofit
+from adaspan.hf.retrofit import Retrofit, cache_budget, follow, retrofit
 from adaspan.run.lock import RunLockedError, WriterLock
 from adaspan.runtime.precision import choose
 
@@ -79,27 +79,24 @@ def test_the_cache_budget_tightens_until_the_rate_decays(model_dir, tmp_path, sc
     assert [cache_budget(config, 1000, step) for step in (0, 2, 4, 8)] == budgets
 
 
-def test_a_cache_ratio_holds_the_spans_to_their_budget(model_dir, tmp_path, monkeypatch):
-    """Without a penalty the spans stay at S (test above); with cache_ratio every z is
-    lowered to the budget of each step, and no further."""
-    budgets = []
-    real = Retrofit.train_step
-
-    def step(self, precision):
-        losses = real(self, precision)
-        budgets.append((cache_budget(self.config, self.full_cache, self.step),
-                        span_cache_bytes(self.model, CONTEXT, 2)))
-        return losses
-
-    monkeypatch.setattr(Retrofit, "train_step", step)
-    config = options(model_dir, tmp_path / "out", span_loss=0.0, cache_ratio=2.5, steps=4)
+def test_a_cache_ratio_scales_the_penalty_and_meets_the_budget_at_the_end(model_dir, tmp_path):
+    """The tiny model's spans shrink by Adam's rate, slower than the budget: the penalty's
+    scale rises at every step but the last, which lowers z' to the budget, no further."""
+    config = options(model_dir, tmp_path / "out", cache_ratio=2.5, checkpoint_interval=1)
     run = retrofit(config, FP32, progress=False)
     full = full_cache_bytes(run.model.config, CONTEXT, 2)
-    assert [budget for budget, _ in budgets] == pytest.approx(
-        [full * 0.85, full * 0.7, full * 0.55, full * 0.4], rel=1e-12)
-    position = 2 * D_HEAD * 2  # one more position of one key/value head
-    for budget, held in budgets:
-        assert budget - LAYERS * KV_HEADS * position < held <= budget
+    held = span_cache_bytes(run.model, CONTEXT, 2)
+    assert full / 2.5 - LAYERS * KV_HEADS * 2 * D_HEAD * 2 < held <= full / 2.5
+    scales = [entry["penalty_scale"] for entry in run.history]
+    assert scales[0] > 1 and scales[:-1] == sorted(scales[:-1]) and scales[-2] <= 1.1 ** 5
+    assert scales[-1] <= scales[-2]  # the last step met the budget
+
+
+@pytest.mark.parametrize(("scale", "held", "budget", "after"), [
+    (1.0, 100, 100, 1.0), (2.0, 105, 100, 2 * math.exp(0.05)), (2.0, 150, 100, 2.2),
+    (2.0, 97, 100, 2 * math.exp(-0.03)), (1.02, 90, 100, 1.0), (3.0, 10, 100, 3 / 1.1)])
+def test_the_penalty_scale_follows_the_budget(scale, held, budget, after):
+    assert follow(scale, held, budget) == pytest.approx(after, rel=1e-12)
 
 
 @pytest.mark.parametrize(("name", "message"), [
@@ -243,6 +240,7 @@ def test_cli_writes_the_report(model_dir, tmp_path, capsys):
     (["--lr-decay-steps", "3"], "lr_decay_steps sets how long the rate decays"),
     (["--cache-ratio", "0.5"], "cache_ratio must be a number >= 1"),
     (["--method", "duo", "--cache-ratio", "2"], "method 'duo' has none"),
+    (["--span-loss", "0", "--cache-ratio", "2"], "give it a span_loss > 0"),
     (["--context", "64", "--ramp", "4", "--cache-ratio", "1000"],
      "cannot be met: ask for less, or a shorter ramp"),
 ])

@@ -94,10 +94,10 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
     p.add_argument("--penalty", choices=PENALTIES, default=default.penalty, help="the span "
                    "loss's lambda: per head (lambda/M), or bits of loss per byte of bf16 cache")
     p.add_argument("--cache-ratio", type=positive_float, metavar="RATIO",
-                   help="spans: after each step, lower every z by the least shared amount that "
-                   "keeps the cache at --context positions RATIO times smaller than full "
-                   "attention's (the bound tightens from the full cache until the rate starts to "
-                   "decay, or the last step)")
+                   help="spans: a budget of RATIO times less cache than full attention's at "
+                   "--context positions, reached where the rate starts to decay (or at the "
+                   "last step): lambda is scaled up while the spans hold more, and the last "
+                   "step lowers every z to meet it")
     p.add_argument("--retrieval", type=float, default=default.retrieval, help="share of each "
                    "step's windows that are retrieval prompts with their answers")
     p.add_argument("--retrieval-tasks", default=default.retrieval_tasks, help="their tasks "

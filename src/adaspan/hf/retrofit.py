@@ -9,9 +9,11 @@ trained, on random windows of ``context`` tokens of the text's train split, to m
 where p_full is the frozen model's next-token distribution with its own attention (computed
 under ``no_grad``) and p_z the same model with the soft mask m_z (eq. 2) in every head. Adam
 (or SGD: ``optimizer="sgd"``) steps z' at ``lr`` (or a cosine or linear decay of it:
-``lr_schedule``); after each step z' is clamped to [0, 1], with ``cache_ratio`` first
-lowered by the least shared amount that holds the cache within a budget of bytes
-(:func:`cache_budget`, :func:`adaspan.hf.budget.limit_cache`). The window of
+``lr_schedule``); after each step z' is clamped to [0, 1]. With ``cache_ratio`` the penalty
+follows a budget of bytes (:func:`cache_budget`): its lambda is scaled up while the spans
+hold more and back down to lambda while they hold less (:func:`follow`), and the last step
+lowers every z' by the least shared amount that meets the budget, where the spans still
+hold more (:func:`adaspan.hf.budget.limit_cache`). The window of
 each step is drawn from (seed, step) alone, so a run resumed from its checkpoint continues bit
 for bit.
 
@@ -24,6 +26,7 @@ sharded over the processes (FSDP2 ``fully_shard``), z' kept whole on each.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
@@ -46,13 +49,14 @@ from ..runtime.precision import Precision
 from ..runtime.signals import deferred_signals
 from ..training.optim import decay
 from .attention import span_modules
-from .budget import check_budget, full_cache_bytes, limit_cache
+from .budget import check_budget, full_cache_bytes, limit_cache, span_cache_bytes
 from .methods import BYTES_PER_ELEMENT, METHODS, Method
 from .retrofit_data import TrainData
 
 STATE_FILE = "retrofit_state.pt"  # the step, z' of every layer, the optimiser
 SETTINGS_FILE = "retrofit_settings.json"  # the RetrofitConfig of the run
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # RetrofitConfig.optimizer
+SCALE_STEP = 1.1  # the most the penalty's scale changes in a step under cache_ratio (follow)
 
 
 def learning_rate(config: RetrofitConfig, step: int) -> float:
@@ -72,15 +76,22 @@ def cache_budget(config: RetrofitConfig, full: int, step: int) -> float:
     """With ``cache_ratio``, the bytes the spans may hold after optimiser step ``step`` (from
     1): the full cache's ``full`` bytes lowered linearly to ``full / cache_ratio`` at the step
     where the rate starts to decay (``lr_decay_steps`` before the end; without such a decay,
-    the last step), then that. The spans shrink to the budget rather than being cut to it at
-    once: a head cut short gets no gradient from keys beyond its ramp, and would not find
-    them again. The step lowers z' before its clamp to [0, 1], so that a head the step took
-    above S (z' > 1) gives up its excess first: the projection onto the box and the budget
-    together."""
+    the last step), then that. The spans shrink to the budget, not cut to it: a head cut
+    short gets no gradient from keys beyond its ramp, and would not find them again."""
     decaying = config.lr_decay_steps if config.lr_schedule != "constant" else None
     target = config.steps - decaying if decaying and decaying < config.steps else config.steps
     done = min(1.0, step / target)
     return full + (full / config.cache_ratio - full) * done
+
+
+def follow(scale: float, held: int, budget: float) -> float:
+    """The penalty's next scale (>= 1, lambda's factor): times exp(held / budget - 1), by at
+    most ``SCALE_STEP`` either way. It rises while the spans hold more than ``budget`` bytes
+    and falls back towards 1 while they hold less, so that the penalty of each head still
+    trades against that head's loss: a head the loss needs (one that reads far needles) keeps
+    its span while the others give way."""
+    factor = min(SCALE_STEP, max(1 / SCALE_STEP, math.exp(held / budget - 1)))
+    return max(1.0, scale * factor)
 
 
 class RetrofitError(UserError):
@@ -121,10 +132,11 @@ def row_mean(values: Tensor, scored: Tensor) -> Tensor:
 
 
 def span_losses(model: nn.Module, original: str, x: Tensor, scored: Tensor,
-                config: RetrofitConfig) -> dict[str, Tensor]:
+                config: RetrofitConfig, scale: float = 1.0) -> dict[str, Tensor]:
     """The terms of the loss on windows ``x``, each a mean over rows of the row's mean over
     its ``scored`` positions: ``kl`` (nats per token, teacher = the frozen model's own
-    attention), ``nll`` (nats per predicted token); ``penalty`` (lambda/M sum z)."""
+    attention), ``nll`` (nats per predicted token); ``penalty`` (lambda/M sum z, times
+    ``scale``)."""
 
     losses = {}
     if config.loss in ("distill", "both"):
@@ -137,7 +149,7 @@ def span_losses(model: nn.Module, original: str, x: Tensor, scored: Tensor,
     if config.loss in ("lm", "both"):
         nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")
         losses["nll"] = row_mean(nll, scored[:, :-1])
-    losses["penalty"] = METHODS[config.method].penalty(model, config)
+    losses["penalty"] = scale * METHODS[config.method].penalty(model, config)
     return losses
 
 
@@ -176,6 +188,7 @@ class Retrofit:
     dist: Distributed = field(default_factory=Distributed)
     sharded: bool = False
     history: list[dict] = field(default_factory=list)  # see record()
+    penalty_scale: float = 1.0  # lambda's factor under cache_ratio (follow)
 
     @property
     def out(self) -> Path:
@@ -201,7 +214,8 @@ class Retrofit:
         if not self.dist.is_main:
             return
         state = {"step": self.step, "z_frac": [p.detach().cpu() for p in self.trained()],
-                 "optimizer": self.optimizer.state_dict(), "history": self.history}
+                 "optimizer": self.optimizer.state_dict(), "history": self.history,
+                 "penalty_scale": self.penalty_scale}
         atomic_write({self.out / STATE_FILE: lambda path: torch.save(state, path)})
 
     def restore(self) -> None:
@@ -212,12 +226,17 @@ class Retrofit:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
         self.history = state.get("history", [])  # none in older checkpoints
+        self.penalty_scale = state.get("penalty_scale", 1.0)
 
     def record(self, losses: dict[str, float]) -> None:
         """Add to ``history`` the step, its loss terms and the spans after it, min(S, z + R)
-        per layer and head (none for a method without spans), to show how they moved."""
-        self.history.append({"step": self.step, "losses": losses, "spans": [
-            span.spans().tolist() for span in span_modules(self.model)]})
+        per layer and head (none for a method without spans), to show how they moved; with
+        ``cache_ratio``, the penalty's scale."""
+        entry = {"step": self.step, "losses": losses, "spans": [
+            span.spans().tolist() for span in span_modules(self.model)]}
+        if self.config.cache_ratio is not None:
+            entry["penalty_scale"] = self.penalty_scale
+        self.history.append(entry)
 
     def train_step(self, precision: Precision) -> dict[str, float]:
         """One optimiser step of z' (then z' clamped to [0, 1]) on this rank's rows of the
@@ -228,7 +247,8 @@ class Retrofit:
         rows = self.dist.rows(self.config.batch_size)
         x, scored = (t[rows].to(precision.device) for t in self.data.batch(self.step))
         with precision.applied():
-            losses = span_losses(self.model, self.original, x, scored, self.config)
+            losses = span_losses(self.model, self.original, x, scored, self.config,
+                                 self.penalty_scale)
         self.optimizer.zero_grad(set_to_none=True)
         sum(losses.values()).backward()
         terms = torch.stack([value.detach().float() for value in losses.values()])
@@ -237,11 +257,23 @@ class Retrofit:
             group["lr"] = learning_rate(self.config, self.step)
         self.optimizer.step()
         self.step += 1
-        if self.config.cache_ratio is not None:  # before the clamp: see cache_budget
-            limit_cache(self.model, cache_budget(self.config, self.full_cache, self.step),
-                        self.config.context)
-        self.method.clamp(self.model)
+        if self.config.cache_ratio is not None:
+            self.follow_budget()
+        else:
+            self.method.clamp(self.model)
         return dict(zip(losses, terms.tolist(), strict=True))
+
+    def follow_budget(self) -> None:
+        """Under ``cache_ratio``, after the optimiser's step: the clamp to [0, 1] (at the last
+        step, first the least shared lowering of z' that meets the budget: a head the step
+        took above S gives up that excess first), then the penalty's scale for the next step
+        (:func:`follow`). Every process computes the same."""
+        budget = cache_budget(self.config, self.full_cache, self.step)
+        if self.step == self.config.steps:
+            limit_cache(self.model, budget, self.config.context)
+        self.method.clamp(self.model)
+        held = span_cache_bytes(self.model, self.config.context, BYTES_PER_ELEMENT)
+        self.penalty_scale = follow(self.penalty_scale, held, budget)
 
     def save(self) -> None:
         """Rank 0 writes the model with its spans and the tokenizer to ``out``; sharded, the
