@@ -118,3 +118,24 @@ def test_a_span_a_step_took_above_s_gives_up_its_excess_first():
     assert span_modules(model)[0].z_frac[0].item() == 1.0
     for z, start in zip(z_fracs(model), before, strict=True):
         torch.testing.assert_close(z, (start - amount).clamp(0, 1))
+
+
+@pytest.mark.parametrize("spared", [True, False])
+def test_limit_cache_can_spare_the_heads_at_s(spared):
+    """With spare_full the heads at S keep it where the others meet the budget alone."""
+    model, context = spanned("llama", per_kv_head=True), 80
+    with torch.no_grad():
+        span_modules(model)[1].z_frac[1] = 1.0  # a key/value head at S: 63 positions held
+    before = z_fracs(model)
+    budget = span_cache_bytes(model, context, 2) - 2 * 8 * 2 * 4  # four positions fewer
+    amount = limit_cache(model, budget, context, spare_full=spared)
+    assert span_cache_bytes(model, context, 2) <= budget
+    assert (span_modules(model)[1].z_frac[1].item() == 1.0) == spared
+    for z, start in zip(z_fracs(model), before, strict=True):
+        expected = (start - amount).clamp(0, 1)
+        torch.testing.assert_close(z, torch.where(start >= 1, start, expected) if spared
+                                   else expected)
+    if spared:  # when the others cannot meet it, the head at S gives way too
+        least = bytes_lowered_by(model, 1.0, context)
+        limit_cache(model, least + 2 * 8 * 2, context, spare_full=True)
+        assert span_modules(model)[1].z_frac[1].item() < 1.0

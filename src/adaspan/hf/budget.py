@@ -67,19 +67,23 @@ def cache_loss(model: nn.Module, bits_per_byte: float, element_size: int = 2) ->
     return math.log(2) * bits_per_byte * per_position * torch.stack(positions).sum()
 
 
-def _lower(model: nn.Module, amount: float) -> None:
-    """Every z' of the model's spans lowered by ``amount``, then clamped to [0, 1]."""
-    for span in attached_spans(model):
-        span.z_frac.sub_(amount).clamp_(0.0, 1.0)
+Masks = list[Tensor] | None  # per span module, 1 where a head's z' is lowered (None: all)
+
+
+def _lower(model: nn.Module, amount: float, masks: Masks = None) -> None:
+    """The model's z' lowered by ``amount`` (where ``masks`` say), then clamped to [0, 1]."""
+    spans = attached_spans(model)
+    for span, mask in zip(spans, masks or [None] * len(spans), strict=True):
+        span.z_frac.sub_(amount if mask is None else amount * mask).clamp_(0.0, 1.0)
 
 
 @torch.no_grad()
 def lowered_cache_bytes(model: nn.Module, amount: float, context: int,
-                        element_size: int = 2) -> int:
-    """:func:`span_cache_bytes` of the spans with every z' lowered by ``amount`` (clamped at
-    0); the spans themselves are left as they are."""
+                        element_size: int = 2, masks: Masks = None) -> int:
+    """:func:`span_cache_bytes` of the spans with z' lowered by ``amount`` (clamped at 0;
+    where ``masks`` say); the spans themselves are left as they are."""
     saved = [span.z_frac.clone() for span in attached_spans(model)]
-    _lower(model, amount)
+    _lower(model, amount, masks)
     try:
         return span_cache_bytes(model, context, element_size)
     finally:
@@ -100,21 +104,28 @@ def check_budget(model: nn.Module, budget: float, context: int, element_size: in
 
 
 @torch.no_grad()
-def limit_cache(model: nn.Module, budget: float, context: int, element_size: int = 2) -> float:
+def limit_cache(model: nn.Module, budget: float, context: int, element_size: int = 2,
+                spare_full: bool = False) -> float:
     """Hold the spans to ``budget`` bytes after ``context`` positions (:func:`span_cache_bytes`):
     lower every z' by the least shared amount that does it (found by bisection; z' clamped at
-    0), the projection of z onto the budget of a sum of spans. Returns the amount (0: the
-    spans were within the budget). A budget no spans can meet is :func:`check_budget`'s
-    error."""
+    0), the projection of z onto the budget of a sum of spans. With ``spare_full``, the heads
+    at S or above (z' >= 1) are left whole where the others can meet the budget alone. Returns
+    the amount (0: the spans were within the budget). A budget no spans can meet is
+    :func:`check_budget`'s error."""
     if span_cache_bytes(model, context, element_size) <= budget:
         return 0.0
     check_budget(model, budget, context, element_size)
+    masks = None
+    if spare_full:
+        below = [(span.z_frac < 1).to(span.z_frac.dtype) for span in attached_spans(model)]
+        if lowered_cache_bytes(model, 1.0, context, element_size, below) <= budget:
+            masks = below
     low, high = 0.0, 1.0  # held(low) > budget >= held(high)
     for _ in range(BISECTIONS):
         middle = (low + high) / 2
-        if lowered_cache_bytes(model, middle, context, element_size) <= budget:
+        if lowered_cache_bytes(model, middle, context, element_size, masks) <= budget:
             high = middle
         else:
             low = middle
-    _lower(model, high)
+    _lower(model, high, masks)
     return high

@@ -11,9 +11,9 @@ under ``no_grad``) and p_z the same model with the soft mask m_z (eq. 2) in ever
 (or SGD: ``optimizer="sgd"``) steps z' at ``lr`` (or a cosine or linear decay of it:
 ``lr_schedule``); after each step z' is clamped to [0, 1]. With ``cache_ratio`` the penalty
 follows a budget of bytes (:func:`cache_budget`): its lambda is scaled up while the spans
-hold more and back down to lambda while they hold less (:func:`follow`), and the last step
-lowers every z' by the least shared amount that meets the budget, where the spans still
-hold more (:func:`adaspan.hf.budget.limit_cache`). The window of
+hold more, by exp(20 x the share above it) (:func:`follow`), and the last step lowers the
+z' of the heads below S by the least shared amount that meets the budget, where the spans
+still hold more (:func:`adaspan.hf.budget.limit_cache`). The window of
 each step is drawn from (seed, step) alone, so a run resumed from its checkpoint continues bit
 for bit.
 
@@ -56,7 +56,7 @@ from .retrofit_data import TrainData
 STATE_FILE = "retrofit_state.pt"  # the step, z' of every layer, the optimiser
 SETTINGS_FILE = "retrofit_settings.json"  # the RetrofitConfig of the run
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # RetrofitConfig.optimizer
-SCALE_STEP = 1.1  # the most the penalty's scale changes in a step under cache_ratio (follow)
+BUDGET_GAIN = 20.0  # cache_ratio: 5% above the budget scales the penalty by e (follow)
 
 
 def learning_rate(config: RetrofitConfig, step: int) -> float:
@@ -84,14 +84,13 @@ def cache_budget(config: RetrofitConfig, full: int, step: int) -> float:
     return full + (full / config.cache_ratio - full) * done
 
 
-def follow(scale: float, held: int, budget: float) -> float:
-    """The penalty's next scale (>= 1, lambda's factor): times exp(held / budget - 1), by at
-    most ``SCALE_STEP`` either way. It rises while the spans hold more than ``budget`` bytes
-    and falls back towards 1 while they hold less, so that the penalty of each head still
-    trades against that head's loss: a head the loss needs (one that reads far needles) keeps
-    its span while the others give way."""
-    factor = min(SCALE_STEP, max(1 / SCALE_STEP, math.exp(held / budget - 1)))
-    return max(1.0, scale * factor)
+def follow(held: int, budget: float) -> float:
+    """The penalty's scale (lambda's factor) after a step whose spans hold ``held`` bytes
+    against ``budget``: exp(``BUDGET_GAIN`` * the share they hold above it), 1 at or below
+    it. It depends on this step alone (no sum over steps that would outlast the excess), and
+    the penalty of each head still trades against that head's loss: a head the loss needs
+    (one that reads far needles) keeps its span while the others give way."""
+    return math.exp(BUDGET_GAIN * max(0.0, held / budget - 1))
 
 
 class RetrofitError(UserError):
@@ -265,15 +264,16 @@ class Retrofit:
 
     def follow_budget(self) -> None:
         """Under ``cache_ratio``, after the optimiser's step: the clamp to [0, 1] (at the last
-        step, first the least shared lowering of z' that meets the budget: a head the step
-        took above S gives up that excess first), then the penalty's scale for the next step
-        (:func:`follow`). Every process computes the same."""
+        step, first the least shared lowering of z' that meets the budget, sparing the heads
+        at S where the others can meet it: they are the ones that read farthest back), then
+        the penalty's scale for the next step (:func:`follow`). Every process computes the
+        same."""
         budget = cache_budget(self.config, self.full_cache, self.step)
         if self.step == self.config.steps:
-            limit_cache(self.model, budget, self.config.context)
+            limit_cache(self.model, budget, self.config.context, spare_full=True)
         self.method.clamp(self.model)
         held = span_cache_bytes(self.model, self.config.context, BYTES_PER_ELEMENT)
-        self.penalty_scale = follow(self.penalty_scale, held, budget)
+        self.penalty_scale = follow(held, budget)
 
     def save(self) -> None:
         """Rank 0 writes the model with its spans and the tokenizer to ``out``; sharded, the
