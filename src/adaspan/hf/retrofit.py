@@ -66,10 +66,15 @@ def learning_rate(config: RetrofitConfig, step: int) -> float:
     It depends on the step alone, so a resumed run takes the same steps."""
     if config.lr_schedule == "constant":
         return config.lr
-    decaying = min(config.lr_decay_steps or config.steps, config.steps)
-    first = config.steps - decaying
-    done = min(1.0, max(0.0, (step - first) / max(1, decaying - 1)))
+    first = decay_start(config)
+    done = min(1.0, max(0.0, (step - first) / max(1, config.steps - first - 1)))
     return config.lr * decay(config.lr_schedule, done, config.lr_end_factor)
+
+
+def decay_start(config: RetrofitConfig) -> int:
+    """The step where the rate starts to decay: ``lr_decay_steps`` before the end (0 when it
+    decays over every step, or does not decay)."""
+    return config.steps - min(config.lr_decay_steps or config.steps, config.steps)
 
 
 def cache_budget(config: RetrofitConfig, full: int, step: int) -> float:
@@ -78,9 +83,7 @@ def cache_budget(config: RetrofitConfig, full: int, step: int) -> float:
     where the rate starts to decay (``lr_decay_steps`` before the end; without such a decay,
     the last step), then that. The spans shrink to the budget, not cut to it: a head cut
     short gets no gradient from keys beyond its ramp, and would not find them again."""
-    decaying = config.lr_decay_steps if config.lr_schedule != "constant" else None
-    target = config.steps - decaying if decaying and decaying < config.steps else config.steps
-    done = min(1.0, step / target)
+    done = min(1.0, step / (decay_start(config) or config.steps))
     return full + (full / config.cache_ratio - full) * done
 
 
@@ -361,7 +364,7 @@ def prepare(config: RetrofitConfig, resume: bool, device: torch.device, dist: Di
     method.attach(model, config)
     if config.cache_ratio is not None:
         full = full_cache_bytes(model.config, config.context, BYTES_PER_ELEMENT)
-        check_budget(model, full / config.cache_ratio, config.context)
+        check_budget(model, cache_budget(config, full, config.steps), config.context)
     if shard:
         shard_frozen(model, device, method)
     optimizer = OPTIMIZERS[config.optimizer](method.parameters(model), lr=config.lr)
