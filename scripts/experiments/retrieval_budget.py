@@ -6,7 +6,8 @@ retrieval at one cache budget, side by side on one model, and print the comparis
         --context 4096 --lengths 2048,4096 --steps 60 --span-loss 1e-5
 
 1. ``adaspan retrofit`` learns spans (``--method spans``, penalty per byte of cache, sinks, one
-   span per key/value head; ``--span-optimizer``, ``--span-lr``, ``--cache-ratio``) and
+   span per key/value head; ``--span-optimizer``, ``--span-lr``, ``--cache-ratio``,
+   ``--average-steps``) and
    DuoAttention's gates (``--method duo``, Adam at ``--lr``) with the same data and steps:
    windows of ``--data`` of which ``--retrieval`` are ``--retrieval-tasks`` prompts (pass key
    alone by default).
@@ -75,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ramp", type=int, default=RetrofitConfig.ramp, help="the spans' ramp R")
     add("--cache-ratio", type=float, help="the spans' cache held RATIO times smaller than full "
         "attention's at the context (adaspan retrofit --cache-ratio; default: no bound)")
+    add("--average-steps", type=int, help="the spans keep the mean of z' over the last N "
+        "steps (adaspan retrofit --average-steps; default: the last step's)")
     add("--sinks", type=int, default=4)
     add("--streaming-window", type=int, default=256)
     add("--retrieval", type=float, default=0.5)
@@ -135,7 +138,7 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                "--retrieval-weight", str(args.retrieval_weight),
                "--lr-schedule", args.lr_schedule,
                *given(args, "retrieval_min_length", "lr_decay_steps"),
-               *(given(args, "cache_ratio") if spans else ()))
+               *(given(args, "cache_ratio", "average_steps") if spans else ()))
 
 
 def given(args: argparse.Namespace, *names: str) -> list[str]:

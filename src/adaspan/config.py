@@ -445,6 +445,7 @@ class RetrofitConfig:
     lr_end_factor: float = 0.1  # cosine and linear: the factor of lr at the last step
     lr_decay_steps: int | None = None  # cosine and linear: decay over the last N steps only
     cache_ratio: float | None = None  # spans: hold at most full / ratio bytes at the context
+    average_steps: int | None = None  # the z' kept: the mean of the last N steps' (None: last)
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
@@ -463,6 +464,7 @@ class RetrofitConfig:
             raise ConfigError(f"lr_end_factor must lie in [0, 1], got {self.lr_end_factor}")
         self._check_decay_steps()
         self._check_cache_ratio()
+        self._check_average_steps()
         if not (self.span_loss >= 0 and math.isfinite(self.span_loss)):
             raise ConfigError(f"span_loss must be a number >= 0, got {self.span_loss}")
         if self.loss not in LOSSES:
@@ -481,6 +483,14 @@ class RetrofitConfig:
         if self.lr_schedule == "constant":
             raise ConfigError("lr_decay_steps sets how long the rate decays: give it with "
                               "lr_schedule cosine or linear")
+
+    def _check_average_steps(self) -> None:
+        """``average_steps``: None, or an integer from 1 to ``steps``."""
+        if self.average_steps is None:
+            return
+        if not _is_int(self.average_steps) or not 1 <= self.average_steps <= self.steps:
+            raise ConfigError(f"average_steps must be an integer from 1 to steps="
+                              f"{self.steps}, got {self.average_steps!r}")
 
     def _check_cache_ratio(self) -> None:
         """``cache_ratio``: None, or a number >= 1 for a method with spans."""

@@ -91,6 +91,50 @@ def test_a_cache_ratio_scales_the_penalty_and_meets_the_budget_at_the_end(model_
     assert min(scales[:-1]) > 1 and scales[-1] == 1  # above the budget until the last step
 
 
+@pytest.mark.parametrize("ratio", [None, 2.5])
+def test_averaged_spans_are_the_mean_of_the_last_steps_z(model_dir, tmp_path, monkeypatch,
+                                                          ratio):
+    """With average_steps = 3 of 6 the steps are those of the run without it, and the z' kept
+    is the mean of the clamped z' of steps 4, 5 and 6; under a budget, that mean lowered by
+    one shared amount to meet it."""
+    average = Retrofit.average
+
+    def runs(name: str, **change) -> tuple[list, Retrofit]:
+        seen = []
+
+        def recorded(self):
+            seen.append(z_fracs(self))  # after the step and its clamp
+            average(self)
+
+        monkeypatch.setattr(Retrofit, "average", recorded)
+        run = retrofit(options(model_dir, tmp_path / name, cache_ratio=ratio, **change), FP32,
+                       progress=False)
+        return seen, run
+
+    last, _ = runs("last")
+    seen, run = runs("mean", average_steps=3)
+    for a, b in zip(last, seen, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    mean = [(a + b + c) / 3 for a, b, c in zip(*seen[3:], strict=True)]
+    kept = z_fracs(run)
+    assert not all(torch.equal(m, z) for m, z in zip(mean, seen[-1], strict=True))
+    if ratio is None:
+        assert all(torch.equal(m, z) for m, z in zip(mean, kept, strict=True))
+        return
+    full = full_cache_bytes(run.model.config, CONTEXT, 2)
+    assert span_cache_bytes(run.model, CONTEXT, 2) <= full / ratio
+    lowered = torch.cat([(m - z)[(m < 1) & (z > 0)] for m, z in zip(mean, kept, strict=True)])
+    assert lowered.numel() and (lowered > 0).all()
+    torch.testing.assert_close(lowered, torch.full_like(lowered, lowered[0].item()))
+
+
+@pytest.mark.parametrize("steps", [0, 7, 2.5])
+def test_average_steps_outside_the_run_are_refused(model_dir, tmp_path, steps):
+    with pytest.raises(ConfigError, match=f"average_steps must be an integer from 1 to "
+                                          f"steps=6, got {steps}"):
+        options(model_dir, tmp_path / "out", average_steps=steps)
+
+
 @pytest.mark.parametrize(("held", "budget", "scale"), [
     (100, 100, 1.0), (90, 100, 1.0), (105, 100, math.e), (110, 100, math.e ** 2)])
 def test_the_penalty_scale_follows_the_budget(held, budget, scale):
@@ -146,12 +190,13 @@ def test_each_step_takes_the_learning_rate_of_its_schedule(model_dir, tmp_path, 
     assert used == pytest.approx([0.05 * rate(t) for t in range(6)], rel=1e-12)
 
 
-@pytest.mark.parametrize(("schedule", "ratio"), [("constant", None), ("cosine", None),
-                                                 ("constant", 3.0)])
+@pytest.mark.parametrize(("schedule", "ratio", "average"), [
+    ("constant", None, None), ("cosine", None, None), ("constant", 3.0, None),
+    ("cosine", 3.0, 4)])
 def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monkeypatch,
-                                                      schedule, ratio):
+                                                      schedule, ratio, average):
     first = retrofit(options(model_dir, tmp_path / "whole", lr_schedule=schedule,
-                             cache_ratio=ratio), FP32, progress=False)
+                             cache_ratio=ratio, average_steps=average), FP32, progress=False)
     whole = z_fracs(first)
     step = Retrofit.train_step
 
@@ -163,10 +208,11 @@ def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monke
     monkeypatch.setattr(Retrofit, "train_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         retrofit(options(model_dir, tmp_path / "parts", lr_schedule=schedule,
-                         cache_ratio=ratio), FP32, progress=False)
+                         cache_ratio=ratio, average_steps=average), FP32, progress=False)
     monkeypatch.setattr(Retrofit, "train_step", step)
     resumed = retrofit(options(model_dir, tmp_path / "parts", lr_schedule=schedule,
-                               cache_ratio=ratio), FP32, resume=True, progress=False)
+                               cache_ratio=ratio, average_steps=average), FP32, resume=True,
+                       progress=False)
     assert resumed.step == 6
     for a, b in zip(whole, z_fracs(resumed), strict=True):
         assert torch.equal(a, b)

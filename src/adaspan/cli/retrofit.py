@@ -58,6 +58,9 @@ def add_retrofit(commands) -> None:
     p.add_argument("--lr-decay-steps", type=positive_int,
                    help="cosine and linear: decay over the last N steps only, --lr before "
                    "them (default: all steps)")
+    p.add_argument("--average-steps", type=positive_int, metavar="N",
+                   help="keep the mean of z' over the last N steps, not the last step's "
+                   "(Polyak averaging: Adam's steps leave z' wandering; default: the last)")
     p.add_argument("--optimizer", choices=RETROFIT_OPTIMIZERS, default=default.optimizer,
                    help="adam; sgd: each step in proportion to the gradient, so that the "
                    "penalty's scale sets how fast spans shrink")

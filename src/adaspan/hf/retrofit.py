@@ -13,7 +13,8 @@ under ``no_grad``) and p_z the same model with the soft mask m_z (eq. 2) in ever
 follows a budget of bytes (:func:`cache_budget`): its lambda is scaled up while the spans
 hold more, by exp(20 x the share above it) (:func:`follow`), and the last step lowers the
 z' of the heads below S by the least shared amount that meets the budget, where the spans
-still hold more (:func:`adaspan.hf.budget.limit_cache`). The window of
+still hold more (:func:`adaspan.hf.budget.limit_cache`). With ``average_steps`` the z' kept
+is the mean of the last steps' (Polyak averaging), before that last lowering. The window of
 each step is drawn from (seed, step) alone, so a run resumed from its checkpoint continues bit
 for bit.
 
@@ -75,6 +76,12 @@ def decay_start(config: RetrofitConfig) -> int:
     """The step where the rate starts to decay: ``lr_decay_steps`` before the end (0 when it
     decays over every step, or does not decay)."""
     return config.steps - min(config.lr_decay_steps or config.steps, config.steps)
+
+
+def average_start(config: RetrofitConfig) -> int | None:
+    """With ``average_steps``, the first step (from 1) whose z' enters the mean kept at the
+    end; None without it."""
+    return None if config.average_steps is None else config.steps - config.average_steps + 1
 
 
 def cache_budget(config: RetrofitConfig, full: int, step: int) -> float:
@@ -191,6 +198,8 @@ class Retrofit:
     sharded: bool = False
     history: list[dict] = field(default_factory=list)  # see record()
     penalty_scale: float = 1.0  # lambda's factor under cache_ratio (follow)
+    z_sum: list[Tensor] | None = None  # average_steps: the sum of z' over the steps summed
+    summed: tuple[int, int] = (0, 0)  # the first step in z_sum and how many steps it holds
 
     @property
     def out(self) -> Path:
@@ -217,7 +226,8 @@ class Retrofit:
             return
         state = {"step": self.step, "z_frac": [p.detach().cpu() for p in self.trained()],
                  "optimizer": self.optimizer.state_dict(), "history": self.history,
-                 "penalty_scale": self.penalty_scale}
+                 "penalty_scale": self.penalty_scale, "z_sum": self.z_sum,
+                 "summed": self.summed}
         atomic_write({self.out / STATE_FILE: lambda path: torch.save(state, path)})
 
     def restore(self) -> None:
@@ -229,6 +239,7 @@ class Retrofit:
         self.step = state["step"]
         self.history = state.get("history", [])  # none in older checkpoints
         self.penalty_scale = state.get("penalty_scale", 1.0)
+        self.z_sum, self.summed = state.get("z_sum"), tuple(state.get("summed", (0, 0)))
 
     def record(self, losses: dict[str, float]) -> None:
         """Add to ``history`` the step, its loss terms and the spans after it, min(S, z + R)
@@ -259,22 +270,38 @@ class Retrofit:
             group["lr"] = learning_rate(self.config, self.step)
         self.optimizer.step()
         self.step += 1
+        self.method.clamp(self.model)
+        self.average()
         if self.config.cache_ratio is not None:
             self.follow_budget()
-        else:
-            self.method.clamp(self.model)
         return dict(zip(losses, terms.tolist(), strict=True))
 
+    def average(self) -> None:
+        """With ``average_steps``, after the step and its clamp: z' added to the sum of the
+        last steps (started afresh where the window begins, or where a run resumed with other
+        ``steps`` finds it moved); at the last step z' becomes the mean of the steps summed."""
+        first = average_start(self.config)
+        if first is None or self.step < first:
+            return
+        if self.z_sum is None or self.summed[0] != first:
+            self.z_sum, self.summed = [torch.zeros_like(p) for p in self.trained()], (first, 0)
+        with torch.no_grad():
+            for total, param in zip(self.z_sum, self.trained(), strict=True):
+                total.add_(param)
+            self.summed = (first, self.summed[1] + 1)
+            if self.step == self.config.steps:
+                for total, param in zip(self.z_sum, self.trained(), strict=True):
+                    param.copy_(total / self.summed[1])
+
     def follow_budget(self) -> None:
-        """Under ``cache_ratio``, after the optimiser's step: the clamp to [0, 1] (at the last
-        step, first the least shared lowering of z' that meets the budget, sparing the heads
-        at S where the others can meet it: they are the ones that read farthest back), then
-        the penalty's scale for the next step (:func:`follow`). Every process computes the
+        """Under ``cache_ratio``, after the optimiser's step and the clamp: at the last step,
+        the least shared lowering of z' that meets the budget, sparing the heads at S where
+        the others can meet it (they are the ones that read farthest back); then the
+        penalty's scale for the next step (:func:`follow`). Every process computes the
         same."""
         budget = cache_budget(self.config, self.full_cache, self.step)
         if self.step == self.config.steps:
             limit_cache(self.model, budget, self.config.context, spare_full=True)
-        self.method.clamp(self.model)
         held = span_cache_bytes(self.model, self.config.context, BYTES_PER_ELEMENT)
         self.penalty_scale = follow(held, budget)
 
