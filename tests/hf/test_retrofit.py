@@ -23,7 +23,7 @@ from adaspan.errors import ConfigError
 from adaspan.hf import load_pretrained, span_modules
 from adaspan.hf.budget import full_cache_bytes, span_cache_bytes
 from adaspan.hf.report import REPORT_FILE, measure_retrofit
-from adaspan.hf.retrofit import Retrofit, cache_budget, follow, retrofit
+from adaspan.hf.retrofit import IterateMean, Retrofit, cache_budget, follow, retrofit
 from adaspan.run.lock import RunLockedError, WriterLock
 from adaspan.runtime.precision import choose
 
@@ -97,16 +97,16 @@ def test_averaged_spans_are_the_mean_of_the_last_steps_z(model_dir, tmp_path, mo
     """With average_steps = 3 of 6 the steps are those of the run without it, and the z' kept
     is the mean of the clamped z' of steps 4, 5 and 6; under a budget, that mean lowered by
     one shared amount to meet it."""
-    average = Retrofit.average
+    after = IterateMean.after
 
     def runs(name: str, **change) -> tuple[list, Retrofit]:
         seen = []
 
-        def recorded(self):
-            seen.append(z_fracs(self))  # after the step and its clamp
-            average(self)
+        def recorded(self, config, step, params):
+            seen.append([p.detach().clone() for p in params])  # after the step and its clamp
+            after(self, config, step, params)
 
-        monkeypatch.setattr(Retrofit, "average", recorded)
+        monkeypatch.setattr(IterateMean, "after", recorded)
         run = retrofit(options(model_dir, tmp_path / name, cache_ratio=ratio, **change), FP32,
                        progress=False)
         return seen, run
@@ -116,7 +116,7 @@ def test_averaged_spans_are_the_mean_of_the_last_steps_z(model_dir, tmp_path, mo
     for a, b in zip(last, seen, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     mean = [(a + b + c) / 3 for a, b, c in zip(*seen[3:], strict=True)]
-    kept = z_fracs(run)
+    kept = [p.detach() for p in run.trained()]
     assert not all(torch.equal(m, z) for m, z in zip(mean, seen[-1], strict=True))
     if ratio is None:
         assert all(torch.equal(m, z) for m, z in zip(mean, kept, strict=True))

@@ -182,6 +182,41 @@ def shard_frozen(model: nn.Module, device: torch.device, method: Method) -> None
 
 
 @dataclass
+class IterateMean:
+    """The running sum of z' from step ``first`` on, ``count`` steps (Polyak averaging)."""
+
+    total: list[Tensor] | None = None
+    first: int = 0
+    count: int = 0
+
+    def after(self, config: RetrofitConfig, step: int, params: list[nn.Parameter]) -> None:
+        """With ``average_steps``, after optimiser step ``step`` and its clamp: ``params``
+        added to the sum of the last steps; at the last step they become its mean."""
+        first = average_start(config)
+        if first is None or step < first:
+            return
+        self.add(params, first)
+        if step == config.steps:
+            self.put(params)
+
+    @torch.no_grad()
+    def add(self, params: list[nn.Parameter], first: int) -> None:
+        """``params`` added; the sum starts afresh where the window begins at another step
+        than this sum's (a run resumed with other ``steps``)."""
+        if self.total is None or self.first != first:
+            self.total, self.first, self.count = [torch.zeros_like(p) for p in params], first, 0
+        for total, param in zip(self.total, params, strict=True):
+            total.add_(param)
+        self.count += 1
+
+    @torch.no_grad()
+    def put(self, params: list[nn.Parameter]) -> None:
+        """``params`` set to the mean of the steps summed."""
+        for total, param in zip(self.total, params, strict=True):
+            param.copy_(total / self.count)
+
+
+@dataclass
 class Retrofit:
     """A retrofit in progress: the model with its spans, the frozen model's own attention
     (``original``), the train tokens, the optimiser of z', the steps done, this process's place
@@ -198,8 +233,7 @@ class Retrofit:
     sharded: bool = False
     history: list[dict] = field(default_factory=list)  # see record()
     penalty_scale: float = 1.0  # lambda's factor under cache_ratio (follow)
-    z_sum: list[Tensor] | None = None  # average_steps: the sum of z' over the steps summed
-    summed: tuple[int, int] = (0, 0)  # the first step in z_sum and how many steps it holds
+    mean: IterateMean = field(default_factory=IterateMean)  # average_steps: the z' summed
 
     @property
     def out(self) -> Path:
@@ -226,8 +260,7 @@ class Retrofit:
             return
         state = {"step": self.step, "z_frac": [p.detach().cpu() for p in self.trained()],
                  "optimizer": self.optimizer.state_dict(), "history": self.history,
-                 "penalty_scale": self.penalty_scale, "z_sum": self.z_sum,
-                 "summed": self.summed}
+                 "penalty_scale": self.penalty_scale, "mean": asdict(self.mean)}
         atomic_write({self.out / STATE_FILE: lambda path: torch.save(state, path)})
 
     def restore(self) -> None:
@@ -239,7 +272,7 @@ class Retrofit:
         self.step = state["step"]
         self.history = state.get("history", [])  # none in older checkpoints
         self.penalty_scale = state.get("penalty_scale", 1.0)
-        self.z_sum, self.summed = state.get("z_sum"), tuple(state.get("summed", (0, 0)))
+        self.mean = IterateMean(**state.get("mean", {}))
 
     def record(self, losses: dict[str, float]) -> None:
         """Add to ``history`` the step, its loss terms and the spans after it, min(S, z + R)
@@ -271,27 +304,10 @@ class Retrofit:
         self.optimizer.step()
         self.step += 1
         self.method.clamp(self.model)
-        self.average()
+        self.mean.after(self.config, self.step, self.trained())
         if self.config.cache_ratio is not None:
             self.follow_budget()
         return dict(zip(losses, terms.tolist(), strict=True))
-
-    def average(self) -> None:
-        """With ``average_steps``, after the step and its clamp: z' added to the sum of the
-        last steps (started afresh where the window begins, or where a run resumed with other
-        ``steps`` finds it moved); at the last step z' becomes the mean of the steps summed."""
-        first = average_start(self.config)
-        if first is None or self.step < first:
-            return
-        if self.z_sum is None or self.summed[0] != first:
-            self.z_sum, self.summed = [torch.zeros_like(p) for p in self.trained()], (first, 0)
-        with torch.no_grad():
-            for total, param in zip(self.z_sum, self.trained(), strict=True):
-                total.add_(param)
-            self.summed = (first, self.summed[1] + 1)
-            if self.step == self.config.steps:
-                for total, param in zip(self.z_sum, self.trained(), strict=True):
-                    param.copy_(total / self.summed[1])
 
     def follow_budget(self) -> None:
         """Under ``cache_ratio``, after the optimiser's step and the clamp: at the last step,
