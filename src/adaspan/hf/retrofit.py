@@ -215,6 +215,19 @@ class IterateMean:
         for total, param in zip(self.total, params, strict=True):
             param.copy_(total / self.count)
 
+    def state(self) -> dict:
+        """For the checkpoint: the sum on the CPU, its first step and count."""
+        total = None if self.total is None else [t.cpu() for t in self.total]
+        return {"total": total, "first": self.first, "count": self.count}
+
+    @classmethod
+    def restored(cls, state: dict, params: list[nn.Parameter]) -> IterateMean:
+        """The mean of :meth:`state`, its sum on the devices of ``params``."""
+        total = state.get("total")
+        if total is not None:
+            total = [t.to(p.device) for t, p in zip(total, params, strict=True)]
+        return cls(total, state.get("first", 0), state.get("count", 0))
+
 
 @dataclass
 class Retrofit:
@@ -260,7 +273,7 @@ class Retrofit:
             return
         state = {"step": self.step, "z_frac": [p.detach().cpu() for p in self.trained()],
                  "optimizer": self.optimizer.state_dict(), "history": self.history,
-                 "penalty_scale": self.penalty_scale, "mean": asdict(self.mean)}
+                 "penalty_scale": self.penalty_scale, "mean": self.mean.state()}
         atomic_write({self.out / STATE_FILE: lambda path: torch.save(state, path)})
 
     def restore(self) -> None:
@@ -272,7 +285,7 @@ class Retrofit:
         self.step = state["step"]
         self.history = state.get("history", [])  # none in older checkpoints
         self.penalty_scale = state.get("penalty_scale", 1.0)
-        self.mean = IterateMean(**state.get("mean", {}))
+        self.mean = IterateMean.restored(state.get("mean", {}), self.trained())
 
     def record(self, losses: dict[str, float]) -> None:
         """Add to ``history`` the step, its loss terms and the spans after it, min(S, z + R)
