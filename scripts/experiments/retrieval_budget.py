@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the spans' optimiser (DuoAttention's gates keep Adam)")
     add("--span-lr", type=float, help="the spans' learning rate (default: --lr)")
     add("--ramp", type=int, default=RetrofitConfig.ramp, help="the spans' ramp R")
+    add("--seed", type=int, help="both retrofits' windows are drawn from (seed, step) "
+        "(adaspan retrofit --seed; default: its own)")
     add("--cache-ratio", type=float, help="the spans' cache held RATIO times smaller than full "
         "attention's at the context (adaspan retrofit --cache-ratio; default: no bound)")
     add("--average-steps", type=int, help="the spans keep the mean of z' over the last N "
@@ -137,7 +139,7 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                str(args.threads), "--retrieval-far-full", str(args.retrieval_far_full),
                "--retrieval-weight", str(args.retrieval_weight),
                "--lr-schedule", args.lr_schedule,
-               *given(args, "retrieval_min_length", "lr_decay_steps"),
+               *given(args, "retrieval_min_length", "lr_decay_steps", "seed"),
                *(given(args, "cache_ratio", "average_steps") if spans else ()))
 
 
