@@ -521,6 +521,10 @@ class RetrofitConfig:
         if not 0.0 <= self.retrieval <= 1.0:
             raise ConfigError(f"retrieval is a share of each step's windows in [0, 1], got "
                               f"{self.retrieval}")
+        rows = self.retrieval * self.batch_size
+        if abs(rows - round(rows)) > 1e-9:
+            raise ConfigError(f"retrieval x batch_size must be a whole number of prompts a step, "
+                              f"got {self.retrieval} x {self.batch_size} = {rows:g}")
         if not 0.0 <= self.retrieval_far <= 1.0:
             raise ConfigError(f"retrieval_far is a share of the retrieval prompts in [0, 1], "
                               f"got {self.retrieval_far}")

@@ -159,6 +159,13 @@ def test_a_task_longer_than_the_context_is_refused_before_any_step(model_dir, tm
         retrofit(options(model_dir, tmp_path / "out", retrieval=0.5), FP32, progress=False)
 
 
+def test_a_share_of_retrieval_prompts_that_is_no_whole_number_is_refused(model_dir, tmp_path):
+    """3/8 of 4 windows would be rounded to 2, the run then training on half prompts."""
+    with pytest.raises(ConfigError, match=r"0.375 x 4 = 1.5"):
+        options(model_dir, tmp_path, retrieval=0.375, batch_size=4)
+    assert options(model_dir, tmp_path, retrieval=0.375, batch_size=8).retrieval == 0.375
+
+
 def test_spans_with_sinks_and_a_penalty_per_byte(model_dir, tmp_path):
     config = options(model_dir, tmp_path / "out", sinks=2, penalty="byte", span_loss=1e-3)
     run = retrofit(config, FP32, progress=False)

@@ -102,7 +102,8 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
                    "last step): lambda is scaled up while the spans hold more, and the last "
                    "step lowers every z to meet it")
     p.add_argument("--retrieval", type=float, default=default.retrieval, help="share of each "
-                   "step's windows that are retrieval prompts with their answers")
+                   "step's windows that are retrieval prompts with their answers (a whole "
+                   "number of the batch)")
     p.add_argument("--retrieval-tasks", default=default.retrieval_tasks, help="their tasks "
                    "(adaspan longeval's), comma-separated")
     p.add_argument("--retrieval-loss", choices=RETRIEVAL_LOSSES, default=default.retrieval_loss,
