@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: {exc}") from None
     if not all(isinstance(policy, SpansPolicy) for policy in policies):
         raise SystemExit("error: --edits are spans cache policies (spans:...)")
-    prompts = round(config.retrieval * config.batch_size)
+    prompts = config.retrieval_rows
     first = config.steps if args.first is None else args.first
     scores: dict[str, list[dict[str, float]]] = {spec: [] for spec in specs}
     with torch.no_grad():

@@ -522,7 +522,7 @@ class RetrofitConfig:
             raise ConfigError(f"retrieval is a share of each step's windows in [0, 1], got "
                               f"{self.retrieval}")
         rows = self.retrieval * self.batch_size
-        if abs(rows - round(rows)) > 1e-9:
+        if abs(rows - self.retrieval_rows) > 1e-9:
             raise ConfigError(f"retrieval x batch_size must be a whole number of prompts a step, "
                               f"got {self.retrieval} x {self.batch_size} = {rows:g}")
         if not 0.0 <= self.retrieval_far <= 1.0:
@@ -545,3 +545,8 @@ class RetrofitConfig:
     def span_limit(self) -> int:
         """S: ``max_span``, or the context where it is not given."""
         return self.max_span or self.context
+
+    @property
+    def retrieval_rows(self) -> int:
+        """The retrieval prompts of each step: ``retrieval`` x ``batch_size``, a whole number."""
+        return round(self.retrieval * self.batch_size)

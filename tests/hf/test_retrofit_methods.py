@@ -163,7 +163,8 @@ def test_a_share_of_retrieval_prompts_that_is_no_whole_number_is_refused(model_d
     """3/8 of 4 windows would be rounded to 2, the run then training on half prompts."""
     with pytest.raises(ConfigError, match=r"0.375 x 4 = 1.5"):
         options(model_dir, tmp_path, retrieval=0.375, batch_size=4)
-    assert options(model_dir, tmp_path, retrieval=0.375, batch_size=8).retrieval == 0.375
+    config = options(model_dir, tmp_path, retrieval=0.375, batch_size=8)
+    assert config.retrieval_rows == 3
 
 
 def test_spans_with_sinks_and_a_penalty_per_byte(model_dir, tmp_path):

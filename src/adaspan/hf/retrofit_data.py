@@ -83,7 +83,7 @@ class TrainData:
 
     def batch(self, step: int) -> tuple[Tensor, Tensor]:
         """The (batch_size, context) token ids of step ``step``: windows of the text, the last
-        ``round(retrieval * batch_size)`` of them replaced by retrieval prompts; and the weight
+        ``retrieval_rows`` of them replaced by retrieval prompts; and the weight
         of each position in its row's mean (float, same shape; 0: not scored, see
         :func:`adaspan.hf.retrofit.row_mean`): 1 at every position of a window; of a prompt,
         1 at those that predict its answer (``retrieval_loss="answer"``), at every one
@@ -92,7 +92,7 @@ class TrainData:
         weights times ``retrieval_weight``."""
         x = window_batch(self.tokens, self.config, step)
         scored = torch.ones_like(x, dtype=torch.float32)
-        count = round(self.config.retrieval * self.config.batch_size)
+        count = self.config.retrieval_rows
         if count:
             x[-count:], scored[-count:] = self.retrieval_rows(step, count)
         return x, scored
