@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--samples", type=int, default=2)
     add("--steps", type=int, default=60)
     add("--batch-size", type=int, default=2)
+    add("--micro-batch", type=int, help="windows per forward and backward in both retrofits "
+        "(adaspan retrofit --micro-batch; memory only)")
     add("--span-loss", type=float, default=1e-5, help="bits of loss per byte of cache")
     add("--duo-loss", type=float, default=0.05, help="DuoAttention's L1 coefficient")
     add("--lr", type=float, default=0.02)
@@ -139,7 +141,7 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                str(args.threads), "--retrieval-far-full", str(args.retrieval_far_full),
                "--retrieval-weight", str(args.retrieval_weight),
                "--lr-schedule", args.lr_schedule,
-               *given(args, "retrieval_min_length", "lr_decay_steps", "seed"),
+               *given(args, "retrieval_min_length", "lr_decay_steps", "seed", "micro_batch"),
                *(given(args, "cache_ratio", "average_steps") if spans else ()))
 
 

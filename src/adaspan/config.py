@@ -423,6 +423,7 @@ class RetrofitConfig:
     context: int = 1024
     steps: int = 200
     batch_size: int = 4
+    micro_batch: int | None = None  # rows per forward and backward (memory); None: the batch
     lr: float = 0.02
     span_loss: float = 2e-5
     loss: str = "distill"
@@ -455,6 +456,8 @@ class RetrofitConfig:
         if self.max_span is not None and not 1 <= self.max_span <= self.context:
             raise ConfigError(f"max_span must lie in [1, context={self.context}], "
                               f"got {self.max_span}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ConfigError(f"micro_batch must be a positive integer, got {self.micro_batch}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"lr must be a number > 0, got {self.lr}")
         if self.lr_schedule not in LR_SCHEDULES:

@@ -176,6 +176,34 @@ def test_spans_with_sinks_and_a_penalty_per_byte(model_dir, tmp_path):
     assert any((p < 1).any() for p in span_parameters(run.model))
 
 
+@pytest.mark.parametrize("method", ["spans", "duo"])
+def test_micro_batches_take_the_step_of_the_whole_batch(model_dir, tmp_path, method):
+    """Three rows of 4 per forward and backward, then the fourth alone: each part's terms
+    weighted by its share of the rows, the steps are those of the 4 rows at once (to float
+    rounding), with the retrieval prompt among the rows and the penalty counted once; a run
+    resumed with another micro_batch continues."""
+    changes = dict(method=method, batch_size=4, context=400, retrieval=0.25, steps=4,
+                   penalty="byte", per_kv_head=True, span_loss=1e-3)
+    whole = retrofit(options(model_dir, tmp_path / "whole", **changes), FP32, progress=False)
+    config = options(model_dir, tmp_path / "parts", micro_batch=3, **{**changes, "steps": 2})
+    retrofit(config, FP32, progress=False)
+    parts = retrofit(options(model_dir, tmp_path / "parts", micro_batch=1, **changes), FP32,
+                     resume=True, progress=False)
+    start = load_frozen(model_dir)[0]
+    METHODS[method].attach(start, config)
+    trained = (METHODS[method].parameters(m) for m in (start, whole.model, parts.model))
+    for a, b, c in zip(*trained, strict=True):
+        assert not torch.equal(a, b)  # the steps moved them
+        torch.testing.assert_close(b, c, rtol=0, atol=1e-6)
+    for a, b in zip(whole.history, parts.history, strict=True):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+
+
+def test_a_micro_batch_below_one_is_refused(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="micro_batch must be a positive integer, got 0"):
+        options(model_dir, tmp_path, micro_batch=0)
+
+
 def test_a_resumed_run_given_more_steps_is_one_run_of_as_many(model_dir, tmp_path):
     whole = retrofit(options(model_dir, tmp_path / "whole"), FP32, progress=False)
     retrofit(options(model_dir, tmp_path / "parts", steps=3), FP32, progress=False)
@@ -321,13 +349,14 @@ def test_retrieval_budget_gives_the_cache_ratio_to_the_spans_alone(tmp_path, mon
     monkeypatch.setattr(script, "run", lambda *argv: calls.append(argv) or {})
     args = script.parse_args(["model", "--data", "kjv", "--haystack", "kjv", "--out",
                               str(tmp_path), "--cache-ratio", "4.05", "--average-steps", "20",
-                              "--seed", "7"])
+                              "--seed", "7", "--micro-batch", "1"])
     script.retrofit(args, "spans", 1e-7)
     script.retrofit(args, "duo", 0.05)
     spans, duo = calls
     assert spans[spans.index("--cache-ratio") + 1] == "4.05" and "--cache-ratio" not in duo
     assert spans[spans.index("--average-steps") + 1] == "20" and "--average-steps" not in duo
-    assert [call[call.index("--seed") + 1] for call in calls] == ["7", "7"]
+    for option, value in (("--seed", "7"), ("--micro-batch", "1")):
+        assert [call[call.index(option) + 1] for call in calls] == [value, value]
 
 
 def test_span_objective_script_scores_the_retrofit_s_own_loss(model_dir, tmp_path, capsys):

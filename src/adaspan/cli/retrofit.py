@@ -48,6 +48,9 @@ def add_retrofit(commands) -> None:
                    help="optimiser steps of the spans")
     p.add_argument("--batch-size", type=positive_int, default=default.batch_size,
                    help="windows per step")
+    p.add_argument("--micro-batch", type=positive_int, metavar="N", help="windows per "
+                   "forward and backward, the step's gradient summed over them: the same steps "
+                   "in the memory of N windows (default: the whole batch at once)")
     p.add_argument("--lr", type=positive_float, default=default.lr, help="the optimiser's "
                    "learning rate on z'")
     p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=default.lr_schedule,

@@ -140,6 +140,12 @@ def row_mean(values: Tensor, scored: Tensor) -> Tensor:
     return ((values * weights).sum(1) / (scored != 0).sum(1)).mean()
 
 
+def parts(rows: int, size: int | None) -> list[slice]:
+    """Consecutive slices of at most ``size`` of ``rows`` rows, covering them (one: None)."""
+    size = size or rows
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
 def span_losses(model: nn.Module, original: str, x: Tensor, scored: Tensor,
                 config: RetrofitConfig, scale: float = 1.0) -> dict[str, Tensor]:
     """The terms of the loss on windows ``x``, each a mean over rows of the row's mean over
@@ -299,18 +305,21 @@ class Retrofit:
 
     def train_step(self, precision: Precision) -> dict[str, float]:
         """One optimiser step of z' (then z' clamped to [0, 1]) on this rank's rows of the
-        step's windows; the loss terms. The gradients and the terms are averaged over the ranks
-        (each a mean of as many rows' means), so every rank takes the step of the whole
-        batch."""
+        step's windows, ``micro_batch`` rows at a time; the loss terms. The gradients and the
+        terms are averaged over the ranks (each a mean of as many rows' means), so every rank
+        takes the step of the whole batch."""
 
         rows = self.dist.rows(self.config.batch_size)
         x, scored = (t[rows].to(precision.device) for t in self.data.batch(self.step))
-        with precision.applied():
-            losses = span_losses(self.model, self.original, x, scored, self.config,
-                                 self.penalty_scale)
         self.optimizer.zero_grad(set_to_none=True)
-        sum(losses.values()).backward()
-        terms = torch.stack([value.detach().float() for value in losses.values()])
+        terms = 0.0  # with the gradients: each part's terms times its share of the rows
+        for part in parts(len(x), self.config.micro_batch):
+            share = (part.stop - part.start) / len(x)
+            with precision.applied():
+                losses = span_losses(self.model, self.original, x[part], scored[part],
+                                     self.config, self.penalty_scale)
+            (share * sum(losses.values())).backward()
+            terms = terms + share * torch.stack([v.detach().float() for v in losses.values()])
         self.dist.average([*(p.grad for p in self.trained()), terms])
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.config, self.step)
@@ -390,14 +399,15 @@ def _transformers_bars(shown: bool) -> Iterator[None]:
 
 def _check_out(out: Path, config: RetrofitConfig, resume: bool) -> None:
     """Refuse to overwrite a retrofit, to resume one that is not there or has other
-    options (but ``steps``), or to write into a directory that holds other files."""
+    options (but ``steps`` and ``micro_batch``), or to write into a directory that holds
+    other files."""
     settings = out / SETTINGS_FILE
     if resume:
         if not (out / STATE_FILE).is_file():
             raise RetrofitError(f"{out} holds no retrofit to resume ({STATE_FILE} is missing)")
         saved = json.loads(settings.read_text())
-        differ = [f.name for f in fields(config)
-                  if f.name != "steps" and saved.get(f.name, f.default) != getattr(config, f.name)]
+        differ = [f.name for f in fields(config) if f.name not in ("steps", "micro_batch")
+                  and saved.get(f.name, f.default) != getattr(config, f.name)]
         if differ:
             raise RetrofitError(f"{out} was retrofitted with other options ({', '.join(differ)})"
                                 "; resume it with the same ones")
