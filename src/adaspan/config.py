@@ -449,15 +449,14 @@ class RetrofitConfig:
     average_steps: int | None = None  # the z' kept: the mean of the last N steps' (None: last)
 
     def __post_init__(self) -> None:
-        positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval")
+        positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval",
+                    "micro_batch")  # micro_batch may be None
         for name in positive:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.max_span is not None and not 1 <= self.max_span <= self.context:
             raise ConfigError(f"max_span must lie in [1, context={self.context}], "
                               f"got {self.max_span}")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise ConfigError(f"micro_batch must be a positive integer, got {self.micro_batch}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"lr must be a number > 0, got {self.lr}")
         if self.lr_schedule not in LR_SCHEDULES:

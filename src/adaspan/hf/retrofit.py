@@ -140,12 +140,6 @@ def row_mean(values: Tensor, scored: Tensor) -> Tensor:
     return ((values * weights).sum(1) / (scored != 0).sum(1)).mean()
 
 
-def parts(rows: int, size: int | None) -> list[slice]:
-    """Consecutive slices of at most ``size`` of ``rows`` rows, covering them (one: None)."""
-    size = size or rows
-    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
-
-
 def span_losses(model: nn.Module, original: str, x: Tensor, scored: Tensor,
                 config: RetrofitConfig, scale: float = 1.0) -> dict[str, Tensor]:
     """The terms of the loss on windows ``x``, each a mean over rows of the row's mean over
@@ -313,10 +307,11 @@ class Retrofit:
         x, scored = (t[rows].to(precision.device) for t in self.data.batch(self.step))
         self.optimizer.zero_grad(set_to_none=True)
         terms = 0.0  # with the gradients: each part's terms times its share of the rows
-        for part in parts(len(x), self.config.micro_batch):
-            share = (part.stop - part.start) / len(x)
+        size = self.config.micro_batch or len(x)
+        for part, part_scored in zip(x.split(size), scored.split(size), strict=True):
+            share = len(part) / len(x)
             with precision.applied():
-                losses = span_losses(self.model, self.original, x[part], scored[part],
+                losses = span_losses(self.model, self.original, part, part_scored,
                                      self.config, self.penalty_scale)
             (share * sum(losses.values())).backward()
             terms = terms + share * torch.stack([v.detach().float() for v in losses.values()])
