@@ -281,8 +281,7 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
                           "--span-optimizer", "sgd", "--span-lr", "0.5", "--ramp", "64",
                           "--retrieval-loss", "all", "--retrieval-far", "0.5",
                           "--retrieval-min-length", "300", "--retrieval-weight", "1.5",
-                          "--retrieval-temperature", "2", "--lr-schedule", "linear",
-                          "--lr-decay-steps", "1"])
+                          "--lr-schedule", "linear", "--lr-decay-steps", "1"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
     assert set(result["policies"]) == {"full", "spans", "streaming", "duo", "snapkv"}
     budget = result["budget_bytes"]
@@ -316,9 +315,9 @@ def test_retrieval_budget_script(model_dir, tmp_path, capsys):
         assert (settings[method]["ramp"], settings[method]["retrieval_loss"],
                 settings[method]["retrieval_far"],
                 settings[method]["retrieval_min_length"],
-                settings[method]["retrieval_weight"], settings[method]["retrieval_temperature"],
+                settings[method]["retrieval_weight"],
                 settings[method]["lr_schedule"], settings[method]["lr_decay_steps"]) == (
-                    64, "all", 0.5, 300, 1.5, 2.0, "linear", 1)
+                    64, "all", 0.5, 300, 1.5, "linear", 1)
 
 
 def test_retrieval_budget_scores_the_policies_asked_for(model_dir, tmp_path, capsys):
