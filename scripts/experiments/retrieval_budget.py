@@ -95,8 +95,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the needle in the first tenth that fill the context anyway")
     add("--retrieval-weight", type=float, default=1.0, help="a retrieval prompt's weight in "
         "the loss, a window of text's being 1")
-    add("--retrieval-temperature", type=float, help="the distillation temperature of a "
-        "retrieval prompt (adaspan retrofit --retrieval-temperature; default: its own)")
     add("--policies", default=",".join(POLICIES), help="the policies scored, comma-separated "
         "(full and spans always; duo's retrofit runs only for duo)")
     add("--eval-bytes", type=int, default=65536)
@@ -143,8 +141,7 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                str(args.threads), "--retrieval-far-full", str(args.retrieval_far_full),
                "--retrieval-weight", str(args.retrieval_weight),
                "--lr-schedule", args.lr_schedule,
-               *given(args, "retrieval_min_length", "lr_decay_steps", "seed", "micro_batch",
-                     "retrieval_temperature"),
+               *given(args, "retrieval_min_length", "lr_decay_steps", "seed", "micro_batch"),
                *(given(args, "cache_ratio", "average_steps") if spans else ()))
 
 

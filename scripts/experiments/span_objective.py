@@ -58,18 +58,15 @@ def read_config(spans_dir: Path) -> RetrofitConfig:
     return config
 
 
-def terms(model, original: str, batch: tuple[torch.Tensor, ...], config: RetrofitConfig,
-          prompts: int) -> dict[str, float]:
-    """The objective's terms on one batch (``TrainData.batch``: tokens, scored positions,
-    temperatures) whose last ``prompts`` rows are retrieval prompts."""
-    x, scored, temperature = batch
+def terms(model, original: str, x: torch.Tensor, scored: torch.Tensor,
+          config: RetrofitConfig, prompts: int) -> dict[str, float]:
+    """The objective's terms on one batch whose last ``prompts`` rows are retrieval prompts."""
     rows = len(x)
     windows = rows - prompts
     out = {"kl_windows": 0.0, "kl_prompts": 0.0}
     for name, part in (("kl_windows", slice(0, windows)), ("kl_prompts", slice(windows, rows))):
         if part.stop > part.start:
-            losses = span_losses(model, original, x[part], scored[part], config,
-                                 temperature=temperature[part])
+            losses = span_losses(model, original, x[part], scored[part], config)
             out[name], out["penalty"] = losses["kl"].item(), losses["penalty"].item()
     out["kl"] = (windows * out["kl_windows"] + prompts * out["kl_prompts"]) / rows
     out["total"] = out["kl"] + out["penalty"]
@@ -97,10 +94,10 @@ def main(argv: list[str] | None = None) -> dict:
     scores: dict[str, list[dict[str, float]]] = {spec: [] for spec in specs}
     with torch.no_grad():
         for step in range(first, first + args.steps):
-            batch = data.batch(step)
+            x, scored = data.batch(step)
             for spec, policy in zip(specs, policies, strict=True):
                 with policy.applied(config.context):
-                    scores[spec].append(terms(model, original, batch, config, prompts))
+                    scores[spec].append(terms(model, original, x, scored, config, prompts))
 
     def mean(values: list[float]) -> float:
         return sum(values) / len(values)

@@ -442,7 +442,6 @@ class RetrofitConfig:
     retrieval_min_length: int | None = None  # shortest retrieval prompt; None: the context
     retrieval_far_full: float = 1.0  # share of first-tenth needles' prompts filling the context
     retrieval_weight: float = 1.0  # a retrieval prompt's term in the loss, a window's being 1
-    retrieval_temperature: float = 1.0  # a retrieval prompt's KL at temperature T, times T^2
     lr_schedule: str = "constant"  # constant, or cosine / linear decay to lr * lr_end_factor
     lr_end_factor: float = 0.1  # cosine and linear: the factor of lr at the last step
     lr_decay_steps: int | None = None  # cosine and linear: decay over the last N steps only
@@ -538,9 +537,9 @@ class RetrofitConfig:
         if not 0.0 <= self.retrieval_far_full <= 1.0:
             raise ConfigError(f"retrieval_far_full is a share of the far prompts in [0, 1], "
                               f"got {self.retrieval_far_full}")
-        for name in ("retrieval_weight", "retrieval_temperature"):
-            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
-                raise ConfigError(f"{name} must be a number > 0, got {getattr(self, name)}")
+        if not (self.retrieval_weight > 0 and math.isfinite(self.retrieval_weight)):
+            raise ConfigError(f"retrieval_weight must be a number > 0, got "
+                              f"{self.retrieval_weight}")
         if not self.retrieval_tasks.strip(","):
             raise ConfigError("retrieval_tasks names at least one task")
 

@@ -125,11 +125,6 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
     p.add_argument("--retrieval-weight", type=float, default=default.retrieval_weight,
                    help="a retrieval prompt's weight in the loss, a window of text's being 1 "
                    "(default 1)")
-    p.add_argument("--retrieval-temperature", type=positive_float,
-                   default=default.retrieval_temperature, help="the temperature T of a "
-                   "retrieval prompt's distillation: the KL of the teacher's and the spans' "
-                   "logits divided by T, times T^2; above 1 it keeps how far the answer stands "
-                   "above the other tokens, not only that it wins (default 1)")
     p.add_argument("--streaming-window", type=positive_int, default=default.streaming_window,
                    help="duo: the recent positions a streaming head reads")
 

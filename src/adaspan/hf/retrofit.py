@@ -140,35 +140,21 @@ def row_mean(values: Tensor, scored: Tensor) -> Tensor:
     return ((values * weights).sum(1) / (scored != 0).sum(1)).mean()
 
 
-def soft_kl(logits: Tensor, teacher: Tensor, temperature: Tensor | None = None) -> Tensor:
-    """Per position, KL(teacher || student) in nats of the distributions of the logits
-    divided by each row's ``temperature`` T, times T^2 (Hinton et al., 2015: the gradient's
-    scale then does not depend on T); T = 1 without ``temperature``. Above 1 it weighs
-    every logit's distance from the teacher's, not only the likeliest tokens'."""
-    if temperature is not None:
-        t = temperature.to(logits.device).view(-1, 1, 1)
-        return soft_kl(logits / t, teacher / t) * t.view(-1, 1) ** 2
-    return F.kl_div(logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True,
-                    reduction="none").sum(-1)
-
-
 def span_losses(model: nn.Module, original: str, x: Tensor, scored: Tensor,
-                config: RetrofitConfig, scale: float = 1.0,
-                temperature: Tensor | None = None) -> dict[str, Tensor]:
+                config: RetrofitConfig, scale: float = 1.0) -> dict[str, Tensor]:
     """The terms of the loss on windows ``x``, each a mean over rows of the row's mean over
     its ``scored`` positions: ``kl`` (nats per token, teacher = the frozen model's own
-    attention; at each row's ``temperature`` where ``retrieval_temperature`` is not 1, see
-    :func:`soft_kl`), ``nll`` (nats per predicted token); ``penalty`` (lambda/M sum z, times
+    attention), ``nll`` (nats per predicted token); ``penalty`` (lambda/M sum z, times
     ``scale``)."""
 
     losses = {}
     if config.loss in ("distill", "both"):
         with torch.no_grad(), full_attention(model, original):
-            teacher = model(input_ids=x, use_cache=False).logits.float()
+            teacher = model(input_ids=x, use_cache=False).logits.float().log_softmax(-1)
     logits = model(input_ids=x, use_cache=False).logits.float()
     if config.loss in ("distill", "both"):
-        soft = temperature if config.retrieval_temperature != 1 else None
-        losses["kl"] = row_mean(soft_kl(logits, teacher, soft), scored)
+        kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none")
+        losses["kl"] = row_mean(kl.sum(-1), scored)
     if config.loss in ("lm", "both"):
         nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")
         losses["nll"] = row_mean(nll, scored[:, :-1])
@@ -318,17 +304,15 @@ class Retrofit:
         takes the step of the whole batch."""
 
         rows = self.dist.rows(self.config.batch_size)
-        x, scored, temperature = (t[rows].to(precision.device)
-                                  for t in self.data.batch(self.step))
+        x, scored = (t[rows].to(precision.device) for t in self.data.batch(self.step))
         self.optimizer.zero_grad(set_to_none=True)
         terms = 0.0  # with the gradients: each part's terms times its share of the rows
         size = self.config.micro_batch or len(x)
-        for part, part_scored, part_t in zip(x.split(size), scored.split(size),
-                                             temperature.split(size), strict=True):
+        for part, part_scored in zip(x.split(size), scored.split(size), strict=True):
             share = len(part) / len(x)
             with precision.applied():
                 losses = span_losses(self.model, self.original, part, part_scored,
-                                     self.config, self.penalty_scale, part_t)
+                                     self.config, self.penalty_scale)
             (share * sum(losses.values())).backward()
             terms = terms + share * torch.stack([v.detach().float() for v in losses.values()])
         self.dist.average([*(p.grad for p in self.trained()), terms])

@@ -81,7 +81,7 @@ class TrainData:
                    0)
         return cls(config, tokens, haystack, pad)
 
-    def batch(self, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    def batch(self, step: int) -> tuple[Tensor, Tensor]:
         """The (batch_size, context) token ids of step ``step``: windows of the text, the last
         ``retrieval_rows`` of them replaced by retrieval prompts; and the weight
         of each position in its row's mean (float, same shape; 0: not scored, see
@@ -89,16 +89,13 @@ class TrainData:
         1 at those that predict its answer (``retrieval_loss="answer"``), at every one
         (``"all"``), or the answer's length at those (``"answer_sum"``: the row's term is
         the sum over its answer, the KL of the whole answer, not its mean); a prompt's
-        weights times ``retrieval_weight``; and each row's distillation temperature (1 for a
-        window, ``retrieval_temperature`` for a prompt)."""
+        weights times ``retrieval_weight``."""
         x = window_batch(self.tokens, self.config, step)
         scored = torch.ones_like(x, dtype=torch.float32)
-        temperature = torch.ones(len(x))
         count = self.config.retrieval_rows
         if count:
             x[-count:], scored[-count:] = self.retrieval_rows(step, count)
-            temperature[-count:] = self.config.retrieval_temperature
-        return x, scored, temperature
+        return x, scored
 
     def retrieval_rows(self, step: int, count: int) -> tuple[Tensor, Tensor]:
         """``count`` prompts of the step (a task of ``retrieval_tasks``, a depth uniform in
