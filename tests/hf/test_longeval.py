@@ -68,7 +68,14 @@ def run(capsys, model_dir: Path, *options: str) -> dict:
 
 def test_full_and_span_caches_end_to_end(spans_dir, tmp_path, capsys):
     spans = run(capsys, spans_dir, "--cache", "spans", "--out", str(tmp_path / "spans"))
-    full = run(capsys, spans_dir, "--out", str(tmp_path / "full"), "--no-plots")
+    assert main(["longeval", str(spans_dir), "--haystack", "kjv", *GRID, "--json", "--out",
+                 str(tmp_path / "full"), "--no-plots"]) == 0
+    printed = capsys.readouterr()
+    full = json.loads(printed.out)
+    # --cache full on a model with spans: one line says the spans still weigh the keys
+    assert printed.err == (f"adaspan: note: {spans_dir} has spans: --cache full holds every key "
+                           "and value, but the spans still weigh them; for full attention, "
+                           "score the model they were retrofitted from\n")
     assert full["cache"] == "full" and spans["cache"] == "spans"
     assert spans["tasks"] == list(TASKS) and spans["lengths"] == [600, 900]
     assert spans["depths"] == [0.0, 0.5, 1.0] and spans["samples"] == 1
@@ -100,8 +107,10 @@ def test_full_and_span_caches_end_to_end(spans_dir, tmp_path, capsys):
 def test_the_table_without_json(plain_dir, capsys):
     assert main(["longeval", str(plain_dir), "--haystack", "kjv", "--tasks", "passkey",
                  "--lengths", "500", "--depths", "0.5", "--samples", "2", "--no-progress"]) == 0
-    table = capsys.readouterr().out
+    printed = capsys.readouterr()
+    table = printed.out
     assert table.startswith(f"# Long-context retrieval of {plain_dir} (cache: full)")
+    assert printed.err == ""  # no spans: no note
     assert "| passkey | 500 | " in table and "Prompts per cell: 2 (seed 0)" in table
 
 

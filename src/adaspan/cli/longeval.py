@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..data.corpora import resolve_data
@@ -71,6 +72,7 @@ def _longeval(args: argparse.Namespace) -> int:
     longeval.md and a heatmap per task there (see docs/longeval.md)."""
     from ..hf.longeval import Grid, longeval, markdown, write
     from ..hf.needles import TASKS
+    from ..hf.spans import SETTINGS_FILE
     from ..measure.plots import require_plots
 
     plots = args.out is not None and not args.no_plots
@@ -78,6 +80,10 @@ def _longeval(args: argparse.Namespace) -> int:
         require_plots()  # before the model runs: matplotlib missing is a one-line error
     grid = Grid(tuple(args.tasks or TASKS), tuple(args.lengths), tuple(args.depths),
                 args.samples, args.seed)
+    if args.cache.partition(":")[0] == "full" and (args.model_dir / SETTINGS_FILE).is_file():
+        print(f"adaspan: note: {args.model_dir} has spans: --cache full holds every key and "
+              "value, but the spans still weigh them; for full attention, score the model "
+              "they were retrofitted from", file=sys.stderr)
     results = longeval(args.model_dir, resolve_data(args.haystack), grid, args.cache,
                        choose(args.dtype, args.device, "score"), not args.no_progress)
     if args.out is not None:
