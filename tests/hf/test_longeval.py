@@ -60,20 +60,23 @@ def spans_dir(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("spans"), spans=True)
 
 
-def run(capsys, model_dir: Path, *options: str) -> dict:
+def run_printed(capsys, model_dir: Path, *options: str) -> tuple[dict, str]:
+    """``adaspan longeval --json``'s results, and what it printed on stderr."""
     assert main(["longeval", str(model_dir), "--haystack", "kjv", *GRID, "--json",
                  *options]) == 0
-    return json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    return json.loads(printed.out), printed.err
+
+
+def run(capsys, model_dir: Path, *options: str) -> dict:
+    return run_printed(capsys, model_dir, *options)[0]
 
 
 def test_full_and_span_caches_end_to_end(spans_dir, tmp_path, capsys):
     spans = run(capsys, spans_dir, "--cache", "spans", "--out", str(tmp_path / "spans"))
-    assert main(["longeval", str(spans_dir), "--haystack", "kjv", *GRID, "--json", "--out",
-                 str(tmp_path / "full"), "--no-plots"]) == 0
-    printed = capsys.readouterr()
-    full = json.loads(printed.out)
+    full, err = run_printed(capsys, spans_dir, "--out", str(tmp_path / "full"), "--no-plots")
     # --cache full on a model with spans: one line says the spans still weigh the keys
-    assert printed.err == (f"adaspan: note: {spans_dir} has spans: --cache full holds every key "
+    assert err == (f"adaspan: note: {spans_dir} has spans: --cache full holds every key "
                            "and value, but the spans still weigh them; for full attention, "
                            "score the model they were retrofitted from\n")
     assert full["cache"] == "full" and spans["cache"] == "spans"

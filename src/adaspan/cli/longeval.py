@@ -70,9 +70,8 @@ def _longeval(args: argparse.Namespace) -> int:
     every expected value is a word of the answer. Prints accuracy per task, length and depth
     and the bytes of keys and values held after each prompt; with --out, writes longeval.json,
     longeval.md and a heatmap per task there (see docs/longeval.md)."""
-    from ..hf.longeval import Grid, longeval, markdown, write
+    from ..hf.longeval import Grid, has_spans, longeval, markdown, write
     from ..hf.needles import TASKS
-    from ..hf.spans import SETTINGS_FILE
     from ..measure.plots import require_plots
 
     plots = args.out is not None and not args.no_plots
@@ -80,7 +79,7 @@ def _longeval(args: argparse.Namespace) -> int:
         require_plots()  # before the model runs: matplotlib missing is a one-line error
     grid = Grid(tuple(args.tasks or TASKS), tuple(args.lengths), tuple(args.depths),
                 args.samples, args.seed)
-    if args.cache.partition(":")[0] == "full" and (args.model_dir / SETTINGS_FILE).is_file():
+    if args.cache.partition(":")[0] == "full" and has_spans(args.model_dir):
         print(f"adaspan: note: {args.model_dir} has spans: --cache full holds every key and "
               "value, but the spans still weigh them; for full attention, score the model "
               "they were retrofitted from", file=sys.stderr)

@@ -72,11 +72,16 @@ class Grid:
                                       range(self.samples)))
 
 
+def has_spans(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds spans (``adaptive_spans.json``) for its model."""
+    return (model_dir / SETTINGS_FILE).is_file()
+
+
 def load_model_dir(model_dir: Path, device: torch.device) -> tuple[nn.Module, object]:
     """The causal LM of ``model_dir`` (fp32, evaluation mode) with its spans where the
-    directory has them (``adaptive_spans.json``), on ``device``, and its tokenizer."""
+    directory has them (:func:`has_spans`), on ``device``, and its tokenizer."""
     model, tokenizer = load_frozen(str(model_dir))
-    if (model_dir / SETTINGS_FILE).is_file():
+    if has_spans(model_dir):
         load_spans(model, model_dir)
     return model.to(device), tokenizer
 
