@@ -77,8 +77,8 @@ def test_full_and_span_caches_end_to_end(spans_dir, tmp_path, capsys):
     full, err = run_printed(capsys, spans_dir, "--out", str(tmp_path / "full"), "--no-plots")
     # --cache full on a model with spans: one line says the spans still weigh the keys
     assert err == (f"adaspan: note: {spans_dir} has spans: --cache full holds every key "
-                           "and value, but the spans still weigh them; for full attention, "
-                           "score the model they were retrofitted from\n")
+                   "and value, but the spans still weigh them; for full attention, "
+                   "score the model they were retrofitted from\n")
     assert full["cache"] == "full" and spans["cache"] == "spans"
     assert spans["tasks"] == list(TASKS) and spans["lengths"] == [600, 900]
     assert spans["depths"] == [0.0, 0.5, 1.0] and spans["samples"] == 1
