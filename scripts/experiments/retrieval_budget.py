@@ -7,7 +7,7 @@ retrieval at one cache budget, side by side on one model, and print the comparis
 
 1. ``adaspan retrofit`` learns spans (``--method spans``, penalty per byte of cache, sinks, one
    span per key/value head; ``--span-optimizer``, ``--span-lr``, ``--cache-ratio``,
-   ``--average-steps``) and
+   ``--average-steps``, ``--reallocate``) and
    DuoAttention's gates (``--method duo``, Adam at ``--lr``) with the same data and steps:
    windows of ``--data`` of which ``--retrieval`` are ``--retrieval-tasks`` prompts (pass key
    alone by default).
@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "attention's at the context (adaspan retrofit --cache-ratio; default: no bound)")
     add("--average-steps", type=int, help="the spans keep the mean of z' over the last N "
         "steps (adaspan retrofit --average-steps; default: the last step's)")
+    add("--reallocate", type=int, help="the spans' rounds of moves between heads after the "
+        "last step (adaspan retrofit --reallocate; default: none)")
     add("--sinks", type=int, default=4)
     add("--streaming-window", type=int, default=256)
     add("--retrieval", type=float, default=0.5)
@@ -142,7 +144,7 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                "--retrieval-weight", str(args.retrieval_weight),
                "--lr-schedule", args.lr_schedule,
                *given(args, "retrieval_min_length", "lr_decay_steps", "seed", "micro_batch"),
-               *(given(args, "cache_ratio", "average_steps") if spans else ()))
+               *(given(args, "cache_ratio", "average_steps", "reallocate") if spans else ()))
 
 
 def given(args: argparse.Namespace, *names: str) -> list[str]:

@@ -447,6 +447,8 @@ class RetrofitConfig:
     lr_decay_steps: int | None = None  # cosine and linear: decay over the last N steps only
     cache_ratio: float | None = None  # spans: hold at most full / ratio bytes at the context
     average_steps: int | None = None  # the z' kept: the mean of the last N steps' (None: last)
+    reallocate: int = 0  # spans: rounds moving positions between heads after the last step
+    reallocate_batches: int = 2  # reallocate: the steps' windows each move is measured on
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval",
@@ -467,6 +469,7 @@ class RetrofitConfig:
         self._check_decay_steps()
         self._check_cache_ratio()
         self._check_average_steps()
+        self._check_reallocate()
         if not (self.span_loss >= 0 and math.isfinite(self.span_loss)):
             raise ConfigError(f"span_loss must be a number >= 0, got {self.span_loss}")
         if self.loss not in LOSSES:
@@ -493,6 +496,18 @@ class RetrofitConfig:
         if not _is_int(self.average_steps) or not 1 <= self.average_steps <= self.steps:
             raise ConfigError(f"average_steps must be an integer from 1 to steps="
                               f"{self.steps}, got {self.average_steps!r}")
+
+    def _check_reallocate(self) -> None:
+        """``reallocate``: an integer >= 0, for a method with spans; ``reallocate_batches``
+        a positive integer."""
+        if not _is_int(self.reallocate) or self.reallocate < 0:
+            raise ConfigError(f"reallocate must be an integer >= 0, got {self.reallocate!r}")
+        if not _is_int(self.reallocate_batches) or self.reallocate_batches < 1:
+            raise ConfigError(f"reallocate_batches must be a positive integer, got "
+                              f"{self.reallocate_batches!r}")
+        if self.reallocate and self.method != "spans":
+            raise ConfigError(f"reallocate moves positions between spans: method "
+                              f"{self.method!r} has none")
 
     def _check_cache_ratio(self) -> None:
         """``cache_ratio``: None, or a number >= 1 for a method with spans."""

@@ -104,6 +104,14 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
                    "--context positions, reached where the rate starts to decay (or at the "
                    "last step): lambda is scaled up while the spans hold more, and the last "
                    "step lowers every z to meet it")
+    p.add_argument("--reallocate", type=int, default=default.reallocate, metavar="ROUNDS",
+                   help="spans: after the last step, up to ROUNDS rounds moving positions "
+                   "from the head whose loss rises least without them to the head whose "
+                   "loss falls most with them, each move kept if the measured loss falls; "
+                   "the cache held never grows (default: 0, none)")
+    p.add_argument("--reallocate-batches", type=positive_int,
+                   default=default.reallocate_batches, metavar="N", help="--reallocate: "
+                   "each move is measured on the windows of N steps after the last")
     p.add_argument("--retrieval", type=float, default=default.retrieval, help="share of each "
                    "step's windows that are retrieval prompts with their answers (a whole "
                    "number of the batch)")

@@ -139,7 +139,8 @@ def measure_retrofit(run: Retrofit, precision: Precision, eval_bytes: int = 6553
     return {"model": run.config.model_dir, "steps": run.step,
             "settings": asdict(run.config),
             "spans": [span.spans().tolist() for span in span_modules(run.model)],
-            "history": run.history, "heldout": quality_, "cache": cache,
+            "history": run.history, "reallocation": run.reallocation,
+            "heldout": quality_, "cache": cache,
             "precision": precision.record(), "versions": versions()}
 
 

@@ -52,11 +52,13 @@ from ..training.optim import decay
 from .attention import span_modules
 from .budget import check_budget, full_cache_bytes, limit_cache, span_cache_bytes
 from .methods import BYTES_PER_ELEMENT, METHODS, Method
+from .reallocate import reallocate
 from .retrofit_data import TrainData
 
 STATE_FILE = "retrofit_state.pt"  # the step, z' of every layer, the optimiser
 SETTINGS_FILE = "retrofit_settings.json"  # the RetrofitConfig of the run
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # RetrofitConfig.optimizer
+RESUMABLE = ("steps", "micro_batch", "reallocate", "reallocate_batches")  # may differ on resume
 BUDGET_GAIN = 20.0  # cache_ratio: 5% above the budget scales the penalty by e (follow)
 
 
@@ -247,6 +249,7 @@ class Retrofit:
     history: list[dict] = field(default_factory=list)  # see record()
     penalty_scale: float = 1.0  # lambda's factor under cache_ratio (follow)
     mean: IterateMean = field(default_factory=IterateMean)  # average_steps: the z' summed
+    reallocation: dict = field(default_factory=dict)  # reallocate: its step and rounds
 
     @property
     def out(self) -> Path:
@@ -273,7 +276,8 @@ class Retrofit:
             return
         state = {"step": self.step, "z_frac": [p.detach().cpu() for p in self.trained()],
                  "optimizer": self.optimizer.state_dict(), "history": self.history,
-                 "penalty_scale": self.penalty_scale, "mean": self.mean.state()}
+                 "penalty_scale": self.penalty_scale, "mean": self.mean.state(),
+                 "reallocation": self.reallocation}
         atomic_write({self.out / STATE_FILE: lambda path: torch.save(state, path)})
 
     def restore(self) -> None:
@@ -286,6 +290,7 @@ class Retrofit:
         self.history = state.get("history", [])  # none in older checkpoints
         self.penalty_scale = state.get("penalty_scale", 1.0)
         self.mean = IterateMean.restored(state.get("mean", {}), self.trained())
+        self.reallocation = state.get("reallocation", {})
 
     def record(self, losses: dict[str, float]) -> None:
         """Add to ``history`` the step, its loss terms and the spans after it, min(S, z + R)
@@ -303,13 +308,9 @@ class Retrofit:
         terms are averaged over the ranks (each a mean of as many rows' means), so every rank
         takes the step of the whole batch."""
 
-        rows = self.dist.rows(self.config.batch_size)
-        x, scored = (t[rows].to(precision.device) for t in self.data.batch(self.step))
         self.optimizer.zero_grad(set_to_none=True)
         terms = 0.0  # with the gradients: each part's terms times its share of the rows
-        size = self.config.micro_batch or len(x)
-        for part, part_scored in zip(x.split(size), scored.split(size), strict=True):
-            share = len(part) / len(x)
+        for share, part, part_scored in self.parts(self.step, precision):
             with precision.applied():
                 losses = span_losses(self.model, self.original, part, part_scored,
                                      self.config, self.penalty_scale)
@@ -325,6 +326,43 @@ class Retrofit:
         if self.config.cache_ratio is not None:
             self.follow_budget()
         return dict(zip(losses, terms.tolist(), strict=True))
+
+    def parts(self, step: int, precision: Precision) -> Iterator[tuple[float, Tensor, Tensor]]:
+        """This rank's rows of step ``step``'s windows (and their weights, on the device),
+        ``micro_batch`` rows at a time, each with its share of the rank's rows."""
+        rows = self.dist.rows(self.config.batch_size)
+        x, scored = (t[rows].to(precision.device) for t in self.data.batch(step))
+        size = self.config.micro_batch or len(x)
+        for part, part_scored in zip(x.split(size), scored.split(size), strict=True):
+            yield len(part) / len(x), part, part_scored
+
+    @torch.no_grad()
+    def objective(self, precision: Precision) -> float:
+        """The loss without the penalty (``kl`` and/or ``nll``) on the windows of the
+        ``reallocate_batches`` steps after the last one (the same each call), averaged over
+        the ranks."""
+        total = torch.zeros((), device=precision.device)
+        after = range(self.config.steps + 1, self.config.steps + 1 + self.config.reallocate_batches)
+        for step in after:
+            for share, part, part_scored in self.parts(step, precision):
+                with precision.applied():
+                    losses = span_losses(self.model, self.original, part, part_scored,
+                                         self.config)
+                losses.pop("penalty")
+                total += share * sum(losses.values()).float() / len(after)
+        self.dist.average([total])
+        return total.item()
+
+    def reallocate_spans(self, precision: Precision, progress: bool) -> None:
+        """``reallocate`` rounds of :func:`adaspan.hf.reallocate.reallocate` after the last
+        step, from S / 16 positions, once per last step (a resumed run does not repeat
+        them)."""
+        if not self.config.reallocate or self.reallocation.get("step") == self.step:
+            return
+        rounds = reallocate(self.model, lambda: self.objective(precision),
+                            self.config.reallocate, self.config.span_limit / 16,
+                            self.config.context, BYTES_PER_ELEMENT, progress)
+        self.reallocation = {"step": self.step, "rounds": rounds}
 
     def follow_budget(self) -> None:
         """Under ``cache_ratio``, after the optimiser's step and the clamp: at the last step,
@@ -378,6 +416,7 @@ class Retrofit:
             raise
         finally:
             bar.close()
+        self.reallocate_spans(precision, progress)
         self.save_state()
 
 
@@ -394,14 +433,14 @@ def _transformers_bars(shown: bool) -> Iterator[None]:
 
 def _check_out(out: Path, config: RetrofitConfig, resume: bool) -> None:
     """Refuse to overwrite a retrofit, to resume one that is not there or has other
-    options (but ``steps`` and ``micro_batch``), or to write into a directory that holds
+    options (but those of ``RESUMABLE``), or to write into a directory that holds
     other files."""
     settings = out / SETTINGS_FILE
     if resume:
         if not (out / STATE_FILE).is_file():
             raise RetrofitError(f"{out} holds no retrofit to resume ({STATE_FILE} is missing)")
         saved = json.loads(settings.read_text())
-        differ = [f.name for f in fields(config) if f.name not in ("steps", "micro_batch")
+        differ = [f.name for f in fields(config) if f.name not in RESUMABLE
                   and saved.get(f.name, f.default) != getattr(config, f.name)]
         if differ:
             raise RetrofitError(f"{out} was retrofitted with other options ({', '.join(differ)})"
