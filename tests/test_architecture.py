@@ -52,7 +52,7 @@ LAYERS = {
     "hf/attention": 26, "hf/needles": 26, "hf/retrofit_data": 26.5,
     "hf/autoload": 26.5,
     "hf/span_cache": 27, "hf/spans": 27,
-    "hf/budget": 27.5, "hf/streaming": 27.75, "hf/methods": 27.75,
+    "hf/budget": 27.5, "hf/streaming": 27.75, "hf/methods": 27.75, "hf/reallocate": 27.75,
     "hf/cache_policies": 27.5,
     "hf/retrofit": 28, "hf/static_cache": 28,
     "hf/snapkv": 28.5, "hf/duo": 28.5,

@@ -452,7 +452,7 @@ class RetrofitConfig:
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval",
-                    "micro_batch")  # micro_batch may be None
+                    "micro_batch", "reallocate_batches")  # micro_batch may be None
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -498,16 +498,11 @@ class RetrofitConfig:
                               f"{self.steps}, got {self.average_steps!r}")
 
     def _check_reallocate(self) -> None:
-        """``reallocate``: an integer >= 0, for a method with spans; ``reallocate_batches``
-        a positive integer."""
+        """``reallocate``: rounds (an integer >= 0) of a method with spans."""
         if not _is_int(self.reallocate) or self.reallocate < 0:
             raise ConfigError(f"reallocate must be an integer >= 0, got {self.reallocate!r}")
-        if not _is_int(self.reallocate_batches) or self.reallocate_batches < 1:
-            raise ConfigError(f"reallocate_batches must be a positive integer, got "
-                              f"{self.reallocate_batches!r}")
         if self.reallocate and self.method != "spans":
-            raise ConfigError(f"reallocate moves positions between spans: method "
-                              f"{self.method!r} has none")
+            raise ConfigError(f"reallocate acts on spans: method {self.method!r} has none")
 
     def _check_cache_ratio(self) -> None:
         """``cache_ratio``: None, or a number >= 1 for a method with spans."""

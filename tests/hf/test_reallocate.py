@@ -12,7 +12,7 @@ from adaspan.errors import ConfigError
 from adaspan.hf import add_spans, span_modules
 from adaspan.hf.budget import span_cache_bytes
 from adaspan.hf.reallocate import movable, reallocate
-from adaspan.hf.retrofit import Retrofit, retrofit
+from adaspan.hf.retrofit import Retrofit, objective, retrofit
 from adaspan.runtime.precision import choose
 
 FP32 = choose("float32", torch.device("cpu"))
@@ -92,9 +92,9 @@ def test_a_retrofit_ends_with_the_moves_that_lower_its_loss(model_dir, tmp_path)
                      progress=False)
     rounds = moved.reallocation["rounds"]
     assert moved.reallocation["step"] == 6 and 1 <= len(rounds) <= 4
-    before = plain.objective(FP32)
+    before = objective(plain, FP32)
     assert rounds[0]["loss"] == before
-    assert moved.objective(FP32) == min(before, *(r["moved"] for r in rounds))
+    assert objective(moved, FP32) == min(before, *(r["moved"] for r in rounds))
     assert (span_cache_bytes(moved.model, 64, 2) <= span_cache_bytes(plain.model, 64, 2))
 
 
@@ -121,7 +121,7 @@ def test_a_finished_retrofit_resumed_with_reallocate_moves_once(model_dir, tmp_p
 @pytest.mark.parametrize(("change", "message"), [
     ({"reallocate": -1}, "reallocate must be an integer >= 0"),
     ({"reallocate": 1.5}, "reallocate must be an integer >= 0"),
-    ({"reallocate_batches": 0}, "reallocate_batches must be a positive integer"),
+    ({"reallocate_batches": 0}, "reallocate_batches must be a positive integer, got 0"),
     ({"reallocate": 2, "method": "duo"}, "method 'duo' has none")])
 def test_bad_reallocate_options_are_refused(model_dir, tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):

@@ -110,8 +110,9 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
                    "loss falls most with them, each move kept if the measured loss falls; "
                    "the cache held never grows (default: 0, none)")
     p.add_argument("--reallocate-batches", type=positive_int,
-                   default=default.reallocate_batches, metavar="N", help="--reallocate: "
-                   "each move is measured on the windows of N steps after the last")
+                   default=default.reallocate_batches, metavar="N", help="the moves of "
+                   "--reallocate are measured on the windows of N steps after the last "
+                   "(default: 2)")
     p.add_argument("--retrieval", type=float, default=default.retrieval, help="share of each "
                    "step's windows that are retrieval prompts with their answers (a whole "
                    "number of the batch)")

@@ -5,7 +5,7 @@ z + R), so a gradient step sees what a head would gain from the next R keys, nev
 head cut short lost farther back. After the last step, :func:`reallocate` measures it: each
 round, the loss with each head ``step`` positions shorter (the donors) and with each head
 ``step`` positions longer (the receivers), all on the same windows; the donor that costs
-least and the receiver that gains most swap ``step`` positions if the loss of the move,
+least gives ``step`` positions to the receiver that gains most if the loss of the move,
 measured, is below the loss before it; else ``step`` halves. Heads at S (z + R >= S) are
 neither: they are the ones that read farthest back, which few windows show (as
 :func:`adaspan.hf.budget.limit_cache` spares them). A move never leaves the spans holding

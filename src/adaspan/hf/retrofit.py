@@ -310,7 +310,7 @@ class Retrofit:
 
         self.optimizer.zero_grad(set_to_none=True)
         terms = 0.0  # with the gradients: each part's terms times its share of the rows
-        for share, part, part_scored in self.parts(self.step, precision):
+        for share, part, part_scored in step_parts(self, self.step, precision):
             with precision.applied():
                 losses = span_losses(self.model, self.original, part, part_scored,
                                      self.config, self.penalty_scale)
@@ -326,43 +326,6 @@ class Retrofit:
         if self.config.cache_ratio is not None:
             self.follow_budget()
         return dict(zip(losses, terms.tolist(), strict=True))
-
-    def parts(self, step: int, precision: Precision) -> Iterator[tuple[float, Tensor, Tensor]]:
-        """This rank's rows of step ``step``'s windows (and their weights, on the device),
-        ``micro_batch`` rows at a time, each with its share of the rank's rows."""
-        rows = self.dist.rows(self.config.batch_size)
-        x, scored = (t[rows].to(precision.device) for t in self.data.batch(step))
-        size = self.config.micro_batch or len(x)
-        for part, part_scored in zip(x.split(size), scored.split(size), strict=True):
-            yield len(part) / len(x), part, part_scored
-
-    @torch.no_grad()
-    def objective(self, precision: Precision) -> float:
-        """The loss without the penalty (``kl`` and/or ``nll``) on the windows of the
-        ``reallocate_batches`` steps after the last one (the same each call), averaged over
-        the ranks."""
-        total = torch.zeros((), device=precision.device)
-        after = range(self.config.steps + 1, self.config.steps + 1 + self.config.reallocate_batches)
-        for step in after:
-            for share, part, part_scored in self.parts(step, precision):
-                with precision.applied():
-                    losses = span_losses(self.model, self.original, part, part_scored,
-                                         self.config)
-                losses.pop("penalty")
-                total += share * sum(losses.values()).float() / len(after)
-        self.dist.average([total])
-        return total.item()
-
-    def reallocate_spans(self, precision: Precision, progress: bool) -> None:
-        """``reallocate`` rounds of :func:`adaspan.hf.reallocate.reallocate` after the last
-        step, from S / 16 positions, once per last step (a resumed run does not repeat
-        them)."""
-        if not self.config.reallocate or self.reallocation.get("step") == self.step:
-            return
-        rounds = reallocate(self.model, lambda: self.objective(precision),
-                            self.config.reallocate, self.config.span_limit / 16,
-                            self.config.context, BYTES_PER_ELEMENT, progress)
-        self.reallocation = {"step": self.step, "rounds": rounds}
 
     def follow_budget(self) -> None:
         """Under ``cache_ratio``, after the optimiser's step and the clamp: at the last step,
@@ -416,8 +379,47 @@ class Retrofit:
             raise
         finally:
             bar.close()
-        self.reallocate_spans(precision, progress)
+        reallocate_spans(self, precision, progress)
         self.save_state()
+
+
+def step_parts(run: Retrofit, step: int, precision: Precision
+               ) -> Iterator[tuple[float, Tensor, Tensor]]:
+    """This rank's rows of step ``step``'s windows (and their weights, on the device),
+    ``micro_batch`` rows at a time, each with its share of the rank's rows."""
+    rows = run.dist.rows(run.config.batch_size)
+    x, scored = (t[rows].to(precision.device) for t in run.data.batch(step))
+    size = run.config.micro_batch or len(x)
+    for part, part_scored in zip(x.split(size), scored.split(size), strict=True):
+        yield len(part) / len(x), part, part_scored
+
+
+@torch.no_grad()
+def objective(run: Retrofit, precision: Precision) -> float:
+    """The loss without the penalty (``kl`` and/or ``nll``) on the windows of the
+    ``reallocate_batches`` steps after the last one (the same each call), averaged over the
+    ranks."""
+    config, total = run.config, torch.zeros((), device=precision.device)
+    after = range(config.steps + 1, config.steps + 1 + config.reallocate_batches)
+    for step in after:
+        for share, part, part_scored in step_parts(run, step, precision):
+            with precision.applied():
+                losses = span_losses(run.model, run.original, part, part_scored, config)
+            losses.pop("penalty")
+            total += share * sum(losses.values()).float() / len(after)
+    run.dist.average([total])
+    return total.item()
+
+
+def reallocate_spans(run: Retrofit, precision: Precision, progress: bool) -> None:
+    """``reallocate`` rounds of :func:`adaspan.hf.reallocate.reallocate` after the last step,
+    from S / 16 positions, once per last step (a resumed run does not repeat them)."""
+    config = run.config
+    if not config.reallocate or run.reallocation.get("step") == run.step:
+        return
+    rounds = reallocate(run.model, lambda: objective(run, precision), config.reallocate,
+                        config.span_limit / 16, config.context, BYTES_PER_ELEMENT, progress)
+    run.reallocation = {"step": run.step, "rounds": rounds}
 
 
 @contextmanager
