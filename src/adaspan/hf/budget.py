@@ -77,18 +77,29 @@ def _lower(model: nn.Module, amount: float, masks: Masks = None) -> None:
         span.z_frac.sub_(amount if mask is None else amount * mask).clamp_(0.0, 1.0)
 
 
+def z_snapshot(model: nn.Module) -> list[Tensor]:
+    """A copy of every span's z' (for :func:`restore_z`)."""
+    return [span.z_frac.detach().clone() for span in attached_spans(model)]
+
+
+@torch.no_grad()
+def restore_z(model: nn.Module, saved: list[Tensor]) -> None:
+    """Every span's z' set back to ``saved`` (:func:`z_snapshot`)."""
+    for span, z_frac in zip(attached_spans(model), saved, strict=True):
+        span.z_frac.copy_(z_frac)
+
+
 @torch.no_grad()
 def lowered_cache_bytes(model: nn.Module, amount: float, context: int,
                         element_size: int = 2, masks: Masks = None) -> int:
     """:func:`span_cache_bytes` of the spans with z' lowered by ``amount`` (clamped at 0;
     where ``masks`` say); the spans themselves are left as they are."""
-    saved = [span.z_frac.clone() for span in attached_spans(model)]
+    saved = z_snapshot(model)
     _lower(model, amount, masks)
     try:
         return span_cache_bytes(model, context, element_size)
     finally:
-        for span, z_frac in zip(attached_spans(model), saved, strict=True):
-            span.z_frac.copy_(z_frac)
+        restore_z(model, saved)
 
 
 def check_budget(model: nn.Module, budget: float, context: int, element_size: int = 2) -> None:

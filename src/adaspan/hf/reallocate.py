@@ -17,24 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from tqdm.auto import tqdm
 
 from .attention import attached_spans
-from .budget import limit_cache, span_cache_bytes
+from .budget import limit_cache, restore_z, span_cache_bytes, z_snapshot
 
 Head = tuple[int, int]  # (span module in layer order, head within it)
 LEAST_STEP = 1.0  # positions: the exchange stops when its step halves below this
-
-
-def _snapshot(model: nn.Module) -> list[Tensor]:
-    return [span.z_frac.detach().clone() for span in attached_spans(model)]
-
-
-@torch.no_grad()
-def _restore(model: nn.Module, saved: list[Tensor]) -> None:
-    for span, z_frac in zip(attached_spans(model), saved, strict=True):
-        span.z_frac.copy_(z_frac)
 
 
 @torch.no_grad()
@@ -48,12 +38,12 @@ def _shift(model: nn.Module, shifts: dict[Head, float]) -> None:
 
 def _measured(model: nn.Module, loss: Callable[[], float], shifts: dict[Head, float]) -> float:
     """The loss with ``shifts`` applied; the spans are left as they were."""
-    saved = _snapshot(model)
+    saved = z_snapshot(model)
     _shift(model, shifts)
     try:
         return loss()
     finally:
-        _restore(model, saved)
+        restore_z(model, saved)
 
 
 def movable(model: nn.Module, step: float) -> tuple[list[Head], list[Head]]:
@@ -90,7 +80,7 @@ def reallocate(model: nn.Module, loss: Callable[[], float], rounds: int, step: f
         if not pairs:
             break
         _, donor, receiver = min(pairs)
-        saved = _snapshot(model)
+        saved = z_snapshot(model)
         _shift(model, {donor: -step, receiver: step})
         limit_cache(model, budget, context, element_size)
         moved = loss()
@@ -100,6 +90,6 @@ def reallocate(model: nn.Module, loss: Callable[[], float], rounds: int, step: f
         if kept:
             current = moved
         else:
-            _restore(model, saved)
+            restore_z(model, saved)
             step /= 2
     return log
