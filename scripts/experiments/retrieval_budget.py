@@ -7,7 +7,7 @@ retrieval at one cache budget, side by side on one model, and print the comparis
 
 1. ``adaspan retrofit`` learns spans (``--method spans``, penalty per byte of cache, sinks, one
    span per key/value head; ``--span-optimizer``, ``--span-lr``, ``--cache-ratio``,
-   ``--average-steps``, ``--reallocate``) and
+   ``--average-steps``, ``--reallocate``, ``--reallocate-guard``) and
    DuoAttention's gates (``--method duo``, Adam at ``--lr``) with the same data and steps:
    windows of ``--data`` of which ``--retrieval`` are ``--retrieval-tasks`` prompts (pass key
    alone by default).
@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "steps (adaspan retrofit --average-steps; default: the last step's)")
     add("--reallocate", type=int, help="the spans' rounds of moves between heads after the "
         "last step (adaspan retrofit --reallocate; default: none)")
+    add("--reallocate-guard", type=int, help="batches of retrieval prompts whose loss a move "
+        "may not raise (adaspan retrofit --reallocate-guard; default: none)")
     add("--sinks", type=int, default=4)
     add("--streaming-window", type=int, default=256)
     add("--retrieval", type=float, default=0.5)
@@ -144,7 +146,8 @@ def retrofit(args: argparse.Namespace, method: str, coef: float) -> dict:
                "--retrieval-weight", str(args.retrieval_weight),
                "--lr-schedule", args.lr_schedule,
                *given(args, "retrieval_min_length", "lr_decay_steps", "seed", "micro_batch"),
-               *(given(args, "cache_ratio", "average_steps", "reallocate") if spans else ()))
+               *(given(args, "cache_ratio", "average_steps", "reallocate",
+                           "reallocate_guard") if spans else ()))
 
 
 def given(args: argparse.Namespace, *names: str) -> list[str]:

@@ -411,6 +411,20 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _check_reallocate(config: RetrofitConfig) -> None:
+    """``reallocate``: rounds (an integer >= 0) of a method with spans; its guard, batches (an
+    integer >= 0) of retrieval prompts, with retrieval."""
+    for name in ("reallocate", "reallocate_guard"):
+        value = getattr(config, name)
+        if not _is_int(value) or value < 0:
+            raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+    if config.reallocate and config.method != "spans":
+        raise ConfigError(f"reallocate acts on spans: method {config.method!r} has none")
+    if config.reallocate_guard and not (config.reallocate and config.retrieval):
+        raise ConfigError("reallocate_guard measures the moves of reallocate on retrieval "
+                          "prompts: give it with reallocate and retrieval")
+
+
 @dataclass(frozen=True)
 class RetrofitConfig:
     """The options of a retrofit (``adaspan retrofit --help`` gives their meaning)."""
@@ -449,6 +463,7 @@ class RetrofitConfig:
     average_steps: int | None = None  # the z' kept: the mean of the last N steps' (None: last)
     reallocate: int = 0  # spans: rounds moving positions between heads after the last step
     reallocate_batches: int = 2  # reallocate: the steps' windows each move is measured on
+    reallocate_guard: int = 0  # reallocate: batches of retrieval prompts a move may not worsen
 
     def __post_init__(self) -> None:
         positive = ("ramp", "context", "steps", "batch_size", "checkpoint_interval",
@@ -469,7 +484,7 @@ class RetrofitConfig:
         self._check_decay_steps()
         self._check_cache_ratio()
         self._check_average_steps()
-        self._check_reallocate()
+        _check_reallocate(self)
         if not (self.span_loss >= 0 and math.isfinite(self.span_loss)):
             raise ConfigError(f"span_loss must be a number >= 0, got {self.span_loss}")
         if self.loss not in LOSSES:
@@ -496,13 +511,6 @@ class RetrofitConfig:
         if not _is_int(self.average_steps) or not 1 <= self.average_steps <= self.steps:
             raise ConfigError(f"average_steps must be an integer from 1 to steps="
                               f"{self.steps}, got {self.average_steps!r}")
-
-    def _check_reallocate(self) -> None:
-        """``reallocate``: rounds (an integer >= 0) of a method with spans."""
-        if not _is_int(self.reallocate) or self.reallocate < 0:
-            raise ConfigError(f"reallocate must be an integer >= 0, got {self.reallocate!r}")
-        if self.reallocate and self.method != "spans":
-            raise ConfigError(f"reallocate acts on spans: method {self.method!r} has none")
 
     def _check_cache_ratio(self) -> None:
         """``cache_ratio``: None, or a number >= 1 for a method with spans."""

@@ -12,7 +12,7 @@ from adaspan.errors import ConfigError
 from adaspan.hf import add_spans, span_modules
 from adaspan.hf.budget import span_cache_bytes
 from adaspan.hf.reallocate import movable, reallocate
-from adaspan.hf.retrofit import Retrofit, objective, retrofit
+from adaspan.hf.retrofit import Retrofit, objective, reallocation_batches, retrofit
 from adaspan.runtime.precision import choose
 
 FP32 = choose("float32", torch.device("cpu"))
@@ -78,6 +78,27 @@ def test_heads_at_s_neither_give_nor_take():
     assert movable(spanned([0, 20, 20, 20]), 16)[0] == [(0, 1), (1, 0), (1, 1)]  # z < step
 
 
+def test_a_guard_keeps_only_the_moves_that_do_not_raise_it():
+    """The loss wants 16 positions of head 0 in head 1; a guard that rises once head 0 holds
+    fewer than 16 lets it give 4 (of the 16, 8, 4 tried): every kept move leaves the guard at
+    most at its bound, the value before the first move; unguarded, head 0 gives all 16."""
+    target, weight = [4, 36, 20, 20], [1, 1, 1, 1]
+    model = spanned([20, 20, 20, 20])
+    log = reallocate(model, quadratic(model, target, weight), rounds=10, step=16,
+                     context=CONTEXT, guard=lambda: max(0.0, 16 - zs(model)[0]))
+    assert zs(model) == [16, 24, 20, 20]
+    assert [(r["step"], r["guard"], r["kept"]) for r in log[:3]] == [
+        (16, 12, False), (8, 4, False), (4, 0, True)]
+    for record in log:
+        assert record["guard_bound"] == 0
+        assert record["kept"] == (record["moved"] < record["loss"] and record["guard"] == 0)
+        assert (record["guard"] is None) == (record["moved"] >= record["loss"])
+    unguarded = spanned([20, 20, 20, 20])
+    reallocate(unguarded, quadratic(unguarded, target, weight), rounds=10, step=16,
+               context=CONTEXT)
+    assert zs(unguarded) == target
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("llama"))
@@ -92,10 +113,31 @@ def test_a_retrofit_ends_with_the_moves_that_lower_its_loss(model_dir, tmp_path)
                      progress=False)
     rounds = moved.reallocation["rounds"]
     assert moved.reallocation["step"] == 6 and 1 <= len(rounds) <= 4
-    before = objective(plain, FP32)
+    scored = reallocation_batches(moved)[0]
+    before = objective(plain, FP32, scored)
     assert rounds[0]["loss"] == before
-    assert objective(moved, FP32) == min(before, *(r["moved"] for r in rounds))
+    assert objective(moved, FP32, scored) == min(before, *(r["moved"] for r in rounds))
     assert (span_cache_bytes(moved.model, 64, 2) <= span_cache_bytes(plain.model, 64, 2))
+
+
+def test_a_retrofit_guarded_by_retrieval_prompts_never_ends_above_their_loss(tmp_path):
+    """With reallocate_guard, the guard's bound is the loss of the spans before the moves on
+    the retrieval prompts of the steps after the scored windows (the plain run's spans); no
+    kept move raises it, and the spans end at most at it."""
+    model_dir = tiny_llama(tmp_path / "llama", positions=400)
+    change = dict(cache_ratio=2.0, per_kv_head=True, context=400, retrieval=0.5)
+    plain = retrofit(options(model_dir, tmp_path / "plain", **change), FP32, progress=False)
+    guarded = retrofit(options(model_dir, tmp_path / "guarded", reallocate=4,
+                               reallocate_guard=2, **change), FP32, progress=False)
+    scored, prompts = reallocation_batches(guarded)
+    assert len(scored) == 2 and len(prompts) == 2
+    assert all(len(x) == 2 and torch.equal(x, guarded.data.retrieval_rows(9 + i, 2)[0])
+               for i, (x, _) in enumerate(prompts))
+    rounds = guarded.reallocation["rounds"]
+    bound = objective(plain, FP32, prompts)
+    assert rounds and all(r["guard_bound"] == bound for r in rounds)
+    assert all(r["guard"] <= bound for r in rounds if r["kept"])
+    assert objective(guarded, FP32, prompts) <= bound
 
 
 def test_a_finished_retrofit_resumed_with_reallocate_moves_once(model_dir, tmp_path,
@@ -122,7 +164,11 @@ def test_a_finished_retrofit_resumed_with_reallocate_moves_once(model_dir, tmp_p
     ({"reallocate": -1}, "reallocate must be an integer >= 0"),
     ({"reallocate": 1.5}, "reallocate must be an integer >= 0"),
     ({"reallocate_batches": 0}, "reallocate_batches must be a positive integer, got 0"),
-    ({"reallocate": 2, "method": "duo"}, "method 'duo' has none")])
+    ({"reallocate": 2, "method": "duo"}, "method 'duo' has none"),
+    ({"reallocate": 2, "retrieval": 0.5, "reallocate_guard": -1},
+     "reallocate_guard must be an integer >= 0"),
+    ({"reallocate": 2, "reallocate_guard": 1}, "give it with reallocate and retrieval"),
+    ({"retrieval": 0.5, "reallocate_guard": 1}, "give it with reallocate and retrieval")])
 def test_bad_reallocate_options_are_refused(model_dir, tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):
         options(model_dir, tmp_path / "out", **change)

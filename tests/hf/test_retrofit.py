@@ -287,6 +287,7 @@ def test_cli_writes_the_report(model_dir, tmp_path, capsys):
     (["--span-loss", "0", "--cache-ratio", "2"], "give it a span_loss > 0"),
     (["--reallocate", "-1"], "reallocate must be an integer >= 0"),
     (["--method", "duo", "--reallocate", "2"], "reallocate acts on spans"),
+    (["--reallocate", "2", "--reallocate-guard", "1"], "give it with reallocate and retrieval"),
     (["--context", "64", "--ramp", "4", "--cache-ratio", "1000"],
      "cannot be met: ask for less, or a shorter ramp"),
 ])

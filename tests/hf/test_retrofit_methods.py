@@ -341,7 +341,7 @@ def test_retrieval_budget_passes_a_zero_on_to_be_refused(model_dir, tmp_path, ca
 
 
 def test_retrieval_budget_gives_the_cache_ratio_to_the_spans_alone(tmp_path, monkeypatch):
-    """The spans' retrofit follows --cache-ratio, --average-steps and --reallocate;
+    """The spans' retrofit follows --cache-ratio, --average-steps, --reallocate and its guard;
     DuoAttention's gates have no spans to bound (adaspan retrofit would refuse the ratio for
     them) and take the last step's gates, as in DuoAttention. Both draw their windows from
     one --seed."""
@@ -350,13 +350,16 @@ def test_retrieval_budget_gives_the_cache_ratio_to_the_spans_alone(tmp_path, mon
     monkeypatch.setattr(script, "run", lambda *argv: calls.append(argv) or {})
     args = script.parse_args(["model", "--data", "kjv", "--haystack", "kjv", "--out",
                               str(tmp_path), "--cache-ratio", "4.05", "--average-steps", "20",
-                              "--seed", "7", "--micro-batch", "1", "--reallocate", "5"])
+                              "--seed", "7", "--micro-batch", "1", "--reallocate", "5",
+                              "--reallocate-guard", "3"])
     script.retrofit(args, "spans", 1e-7)
     script.retrofit(args, "duo", 0.05)
     spans, duo = calls
     assert spans[spans.index("--cache-ratio") + 1] == "4.05" and "--cache-ratio" not in duo
     assert spans[spans.index("--average-steps") + 1] == "20" and "--average-steps" not in duo
     assert spans[spans.index("--reallocate") + 1] == "5" and "--reallocate" not in duo
+    assert spans[spans.index("--reallocate-guard") + 1] == "3"
+    assert "--reallocate-guard" not in duo
     for option, value in (("--seed", "7"), ("--micro-batch", "1")):
         assert [call[call.index(option) + 1] for call in calls] == [value, value]
 

@@ -113,6 +113,11 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
                    default=default.reallocate_batches, metavar="N", help="the moves of "
                    "--reallocate are measured on the windows of N steps after the last "
                    "(default: 2)")
+    p.add_argument("--reallocate-guard", type=int, default=default.reallocate_guard,
+                   metavar="N", help="a move of --reallocate is kept only if the loss of "
+                   "N batches of retrieval prompts (--retrieval-tasks, steps after those "
+                   "windows) stays at most where it was before the first move (default: 0, "
+                   "no guard)")
     p.add_argument("--retrieval", type=float, default=default.retrieval, help="share of each "
                    "step's windows that are retrieval prompts with their answers (a whole "
                    "number of the batch)")

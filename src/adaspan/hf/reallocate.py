@@ -6,7 +6,9 @@ head cut short lost farther back. After the last step, :func:`reallocate` measur
 round, the loss with each head ``step`` positions shorter (the donors) and with each head
 ``step`` positions longer (the receivers), all on the same windows; the donor that costs
 least gives ``step`` positions to the receiver that gains most if the loss of the move,
-measured, is below the loss before it; else ``step`` halves. Heads at S (z + R >= S) are
+measured, is below the loss before it (and, with a ``guard``, a second loss measured on other
+windows, such as retrieval prompts, is not above its value before the first move); else
+``step`` halves. Heads at S (z + R >= S) are
 neither: they are the ones that read farthest back, which few windows show (as
 :func:`adaspan.hf.budget.limit_cache` spares them). A move never leaves the spans holding
 more bytes than before it (:func:`adaspan.hf.budget.limit_cache` trims a rounding up).
@@ -61,14 +63,17 @@ def movable(model: nn.Module, step: float) -> tuple[list[Head], list[Head]]:
 
 
 def reallocate(model: nn.Module, loss: Callable[[], float], rounds: int, step: float,
-               context: int, element_size: int = 2, progress: bool = False) -> list[dict]:
+               context: int, element_size: int = 2, progress: bool = False,
+               guard: Callable[[], float] | None = None) -> list[dict]:
     """At most ``rounds`` rounds of the exchange (module docstring), starting at ``step``
-    positions; ``loss()`` measures the model as its spans stand, the same windows each call.
-    The bytes the spans hold after ``context`` positions never rise. Returns one record a
-    round: the step, the donor and receiver (module, head), the loss before and with the
-    move, and whether it was kept."""
+    positions; ``loss()`` (and ``guard()``) measures the model as its spans stand, the same
+    windows each call. The bytes the spans hold after ``context`` positions never rise.
+    Returns one record a round: the step, the donor and receiver (module, head), the loss
+    before and with the move, and whether it was kept; with a guard, its bound (its value
+    before the first move) and its value with the move (None where the loss did not fall)."""
     budget = span_cache_bytes(model, context, element_size)
     current, log = loss(), []
+    bound = guard() if guard else None
     for _ in tqdm(range(rounds), desc="reallocate", unit="round", dynamic_ncols=True,
                   disable=None if progress else True):
         if step < LEAST_STEP:
@@ -85,8 +90,12 @@ def reallocate(model: nn.Module, loss: Callable[[], float], rounds: int, step: f
         limit_cache(model, budget, context, element_size)
         moved = loss()
         kept = moved < current
-        log.append({"step": step, "donor": list(donor), "receiver": list(receiver),
-                    "loss": current, "moved": moved, "kept": kept})
+        record = {"step": step, "donor": list(donor), "receiver": list(receiver),
+                  "loss": current, "moved": moved}
+        if guard:
+            record.update(guard_bound=bound, guard=guard() if kept else None)
+            kept = kept and record["guard"] <= bound
+        log.append({**record, "kept": kept})
         if kept:
             current = moved
         else:

@@ -58,7 +58,8 @@ from .retrofit_data import TrainData
 STATE_FILE = "retrofit_state.pt"  # the step, z' of every layer, the optimiser
 SETTINGS_FILE = "retrofit_settings.json"  # the RetrofitConfig of the run
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # RetrofitConfig.optimizer
-RESUMABLE = ("steps", "micro_batch", "reallocate", "reallocate_batches")  # may differ on resume
+RESUMABLE = ("steps", "micro_batch", "reallocate", "reallocate_batches",
+             "reallocate_guard")  # may differ on resume
 BUDGET_GAIN = 20.0  # cache_ratio: 5% above the budget scales the penalty by e (follow)
 
 
@@ -310,7 +311,8 @@ class Retrofit:
 
         self.optimizer.zero_grad(set_to_none=True)
         terms = 0.0  # with the gradients: each part's terms times its share of the rows
-        for share, part, part_scored in step_parts(self, self.step, precision):
+        batch = self.data.batch(self.step)
+        for share, part, part_scored in batch_parts(self, *batch, precision):
             with precision.applied():
                 losses = span_losses(self.model, self.original, part, part_scored,
                                      self.config, self.penalty_scale)
@@ -383,42 +385,59 @@ class Retrofit:
         self.save_state()
 
 
-def step_parts(run: Retrofit, step: int, precision: Precision
-               ) -> Iterator[tuple[float, Tensor, Tensor]]:
-    """This rank's rows of step ``step``'s windows (and their weights, on the device),
+def batch_parts(run: Retrofit, x: Tensor, scored: Tensor, precision: Precision
+                ) -> Iterator[tuple[float, Tensor, Tensor]]:
+    """This rank's rows of the batch ``x`` (and their weights ``scored``, on the device),
     ``micro_batch`` rows at a time, each with its share of the rank's rows."""
-    rows = run.dist.rows(run.config.batch_size)
-    x, scored = (t[rows].to(precision.device) for t in run.data.batch(step))
+    rows = run.dist.rows(len(x))
+    x, scored = (t[rows].to(precision.device) for t in (x, scored))
     size = run.config.micro_batch or len(x)
     for part, part_scored in zip(x.split(size), scored.split(size), strict=True):
         yield len(part) / len(x), part, part_scored
 
 
 @torch.no_grad()
-def objective(run: Retrofit, precision: Precision) -> float:
-    """The loss without the penalty (``kl`` and/or ``nll``) on the windows of the
-    ``reallocate_batches`` steps after the last one (the same each call), averaged over the
-    ranks."""
-    config, total = run.config, torch.zeros((), device=precision.device)
-    after = range(config.steps + 1, config.steps + 1 + config.reallocate_batches)
-    for step in after:
-        for share, part, part_scored in step_parts(run, step, precision):
+def objective(run: Retrofit, precision: Precision, batches: list[tuple[Tensor, Tensor]]
+              ) -> float:
+    """The loss without the penalty (``kl`` and/or ``nll``) on ``batches`` (token ids and
+    their weights, as :meth:`TrainData.batch`), averaged over them and over the ranks."""
+    total = torch.zeros((), device=precision.device)
+    for batch in batches:
+        for share, part, part_scored in batch_parts(run, *batch, precision):
             with precision.applied():
-                losses = span_losses(run.model, run.original, part, part_scored, config)
+                losses = span_losses(run.model, run.original, part, part_scored, run.config)
             losses.pop("penalty")
-            total += share * sum(losses.values()).float() / len(after)
+            total += share * sum(losses.values()).float() / len(batches)
     run.dist.average([total])
     return total.item()
 
 
+def reallocation_batches(run: Retrofit) -> tuple[list, list]:
+    """The batches :func:`reallocate_spans` measures on: the windows of the
+    ``reallocate_batches`` steps after the last; and, for the guard, ``batch_size`` retrieval
+    prompts of each of the ``reallocate_guard`` steps after those."""
+    config = run.config
+    first = config.steps + 1
+    scored = [run.data.batch(step) for step in range(first, first + config.reallocate_batches)]
+    first += config.reallocate_batches
+    guarded = [run.data.retrieval_rows(step, config.batch_size)
+               for step in range(first, first + config.reallocate_guard)]
+    return scored, guarded
+
+
 def reallocate_spans(run: Retrofit, precision: Precision, progress: bool) -> None:
     """``reallocate`` rounds of :func:`adaspan.hf.reallocate.reallocate` after the last step,
-    from S / 16 positions, once per last step (a resumed run does not repeat them)."""
+    from S / 16 positions, once per last step (a resumed run does not repeat them); with
+    ``reallocate_guard``, a move is kept only if the loss of the guard's retrieval prompts
+    stays at most where it was before the first."""
     config = run.config
     if not config.reallocate or run.reallocation.get("step") == run.step:
         return
-    rounds = reallocate(run.model, lambda: objective(run, precision), config.reallocate,
-                        config.span_limit / 16, config.context, BYTES_PER_ELEMENT, progress)
+    scored, guarded = reallocation_batches(run)
+    guard = (lambda: objective(run, precision, guarded)) if guarded else None
+    rounds = reallocate(run.model, lambda: objective(run, precision, scored), config.reallocate,
+                        config.span_limit / 16, config.context, BYTES_PER_ELEMENT, progress,
+                        guard)
     run.reallocation = {"step": run.step, "rounds": rounds}
 
 
