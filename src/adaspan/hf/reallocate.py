@@ -8,10 +8,10 @@ round, the loss with each head ``step`` positions shorter (the donors) and with 
 least gives ``step`` positions to the receiver that gains most if the loss of the move,
 measured, is below the loss before it (and, with a ``guard``, a second loss measured on other
 windows, such as retrieval prompts, is not above its value before the first move); else
-``step`` halves. Heads at S (z + R >= S) are
-neither: they are the ones that read farthest back, which few windows show (as
-:func:`adaspan.hf.budget.limit_cache` spares them). A move never leaves the spans holding
-more bytes than before it (:func:`adaspan.hf.budget.limit_cache` trims a rounding up).
+``step`` halves. Heads at S (z + R >= S) are neither: they are the ones that read farthest
+back, which few windows show (as :func:`adaspan.hf.budget.limit_cache` spares them). A move
+never leaves the spans holding more bytes than before it
+(:func:`adaspan.hf.budget.limit_cache` trims a rounding up).
 """
 
 from __future__ import annotations
