@@ -80,19 +80,21 @@ def test_heads_at_s_neither_give_nor_take():
 
 def test_a_guard_keeps_only_the_moves_that_do_not_raise_it():
     """The loss wants 16 positions of head 0 in head 1; a guard that rises once head 0 holds
-    fewer than 16 lets it give 4 (of the 16, 8, 4 tried): every kept move leaves the guard at
-    most at its bound, the value before the first move; unguarded, head 0 gives all 16."""
+    fewer than 16 lets it give 4 (of the 16, 8, 4 tried): a move is kept only if the loss
+    falls and the guard does not rise, each measured before and with it; unguarded, head 0
+    gives all 16."""
     target, weight = [4, 36, 20, 20], [1, 1, 1, 1]
     model = spanned([20, 20, 20, 20])
     log = reallocate(model, quadratic(model, target, weight), rounds=10, step=16,
                      context=CONTEXT, guard=lambda: max(0.0, 16 - zs(model)[0]))
     assert zs(model) == [16, 24, 20, 20]
-    assert [(r["step"], r["guard"], r["kept"]) for r in log[:3]] == [
+    assert [(r["step"], r["guard_moved"], r["kept"]) for r in log[:3]] == [
         (16, 12, False), (8, 4, False), (4, 0, True)]
     for record in log:
-        assert record["guard_bound"] == 0
-        assert record["kept"] == (record["moved"] < record["loss"] and record["guard"] == 0)
-        assert (record["guard"] is None) == (record["moved"] >= record["loss"])
+        assert record["guard_loss"] == 0
+        assert record["kept"] == (record["moved"] < record["loss"]
+                                  and record["guard_moved"] == 0)
+        assert (record["guard_moved"] is None) == (record["moved"] >= record["loss"])
     unguarded = spanned([20, 20, 20, 20])
     reallocate(unguarded, quadratic(unguarded, target, weight), rounds=10, step=16,
                context=CONTEXT)
@@ -121,9 +123,9 @@ def test_a_retrofit_ends_with_the_moves_that_lower_its_loss(model_dir, tmp_path)
 
 
 def test_a_retrofit_guarded_by_retrieval_prompts_never_ends_above_their_loss(tmp_path):
-    """With reallocate_guard, the guard's bound is the loss of the spans before the moves on
-    the retrieval prompts of the steps after the scored windows (the plain run's spans); no
-    kept move raises it, and the spans end at most at it."""
+    """With reallocate_guard, the guard is the loss on the retrieval prompts of the steps
+    after the scored windows, first of the plain run's spans; no kept move raises it, so the
+    spans end at most at the plain run's, with the last kept move's."""
     model_dir = tiny_llama(tmp_path / "llama", positions=400)
     change = dict(cache_ratio=2.0, per_kv_head=True, context=400, retrieval=0.5)
     plain = retrofit(options(model_dir, tmp_path / "plain", **change), FP32, progress=False)
@@ -134,10 +136,13 @@ def test_a_retrofit_guarded_by_retrieval_prompts_never_ends_above_their_loss(tmp
     assert all(len(x) == 2 and torch.equal(x, guarded.data.retrieval_rows(9 + i, 2)[0])
                for i, (x, _) in enumerate(prompts))
     rounds = guarded.reallocation["rounds"]
-    bound = objective(plain, FP32, prompts)
-    assert rounds and all(r["guard_bound"] == bound for r in rounds)
-    assert all(r["guard"] <= bound for r in rounds if r["kept"])
-    assert objective(guarded, FP32, prompts) <= bound
+    before = objective(plain, FP32, prompts)
+    assert rounds and rounds[0]["guard_loss"] == before
+    kept = [r for r in rounds if r["kept"]]
+    assert all(r["guard_moved"] <= r["guard_loss"] for r in kept)
+    assert [r["guard_loss"] for r in rounds[1:]] == [
+        *(r["guard_moved"] if r["kept"] else r["guard_loss"] for r in rounds[:-1])]
+    assert objective(guarded, FP32, prompts) == (kept[-1]["guard_moved"] if kept else before)
 
 
 def test_a_finished_retrofit_resumed_with_reallocate_moves_once(model_dir, tmp_path,

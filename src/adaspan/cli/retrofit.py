@@ -114,10 +114,9 @@ def _add_method_options(p: argparse.ArgumentParser, default: RetrofitConfig) -> 
                    "--reallocate are measured on the windows of N steps after the last "
                    "(default: 2)")
     p.add_argument("--reallocate-guard", type=int, default=default.reallocate_guard,
-                   metavar="N", help="a move of --reallocate is kept only if the loss of "
-                   "N batches of retrieval prompts (--retrieval-tasks, steps after those "
-                   "windows) stays at most where it was before the first move (default: 0, "
-                   "no guard)")
+                   metavar="N", help="a move of --reallocate is kept only if it does not "
+                   "raise the loss of N batches of retrieval prompts either "
+                   "(--retrieval-tasks, of the steps after those windows; default: 0, none)")
     p.add_argument("--retrieval", type=float, default=default.retrieval, help="share of each "
                    "step's windows that are retrieval prompts with their answers (a whole "
                    "number of the batch)")

@@ -7,7 +7,7 @@ round, the loss with each head ``step`` positions shorter (the donors) and with 
 ``step`` positions longer (the receivers), all on the same windows; the donor that costs
 least gives ``step`` positions to the receiver that gains most if the loss of the move,
 measured, is below the loss before it (and, with a ``guard``, a second loss measured on other
-windows, such as retrieval prompts, is not above its value before the first move); else
+windows, such as retrieval prompts, is not above its value before the move); else
 ``step`` halves. Heads at S (z + R >= S) are neither: they are the ones that read farthest
 back, which few windows show (as :func:`adaspan.hf.budget.limit_cache` spares them). A move
 never leaves the spans holding more bytes than before it
@@ -69,11 +69,11 @@ def reallocate(model: nn.Module, loss: Callable[[], float], rounds: int, step: f
     positions; ``loss()`` (and ``guard()``) measures the model as its spans stand, the same
     windows each call. The bytes the spans hold after ``context`` positions never rise.
     Returns one record a round: the step, the donor and receiver (module, head), the loss
-    before and with the move, and whether it was kept; with a guard, its bound (its value
-    before the first move) and its value with the move (None where the loss did not fall)."""
+    before and with the move, and whether it was kept; with a guard, its value before and
+    with the move (None where the loss did not fall): neither rises over the kept moves."""
     budget = span_cache_bytes(model, context, element_size)
     current, log = loss(), []
-    bound = guard() if guard else None
+    guarded = guard() if guard else None
     for _ in tqdm(range(rounds), desc="reallocate", unit="round", dynamic_ncols=True,
                   disable=None if progress else True):
         if step < LEAST_STEP:
@@ -93,11 +93,11 @@ def reallocate(model: nn.Module, loss: Callable[[], float], rounds: int, step: f
         record = {"step": step, "donor": list(donor), "receiver": list(receiver),
                   "loss": current, "moved": moved}
         if guard:
-            record.update(guard_bound=bound, guard=guard() if kept else None)
-            kept = kept and record["guard"] <= bound
+            record.update(guard_loss=guarded, guard_moved=guard() if kept else None)
+            kept = kept and record["guard_moved"] <= guarded
         log.append({**record, "kept": kept})
         if kept:
-            current = moved
+            current, guarded = moved, record.get("guard_moved")
         else:
             restore_z(model, saved)
             step /= 2
