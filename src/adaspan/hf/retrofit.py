@@ -428,8 +428,8 @@ def reallocation_batches(run: Retrofit) -> tuple[list, list]:
 def reallocate_spans(run: Retrofit, precision: Precision, progress: bool) -> None:
     """``reallocate`` rounds of :func:`adaspan.hf.reallocate.reallocate` after the last step,
     from S / 16 positions, once per last step (a resumed run does not repeat them); with
-    ``reallocate_guard``, a move is kept only if the loss of the guard's retrieval prompts
-    stays at most where it was before the first."""
+    ``reallocate_guard``, a move is kept only if it does not raise the loss of the guard's
+    retrieval prompts either."""
     config = run.config
     if not config.reallocate or run.reallocation.get("step") == run.step:
         return
