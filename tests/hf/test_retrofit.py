@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -210,7 +211,8 @@ def test_interrupted_and_resumed_gives_the_same_spans(model_dir, tmp_path, monke
         retrofit(options(model_dir, tmp_path / "parts", lr_schedule=schedule,
                          cache_ratio=ratio, average_steps=average), FP32, progress=False)
     monkeypatch.setattr(Retrofit, "train_step", step)
-    resumed = retrofit(options(model_dir, tmp_path / "parts", lr_schedule=schedule,
+    shutil.copytree(tmp_path / "parts", tmp_path / "moved")  # resumed where it was copied to
+    resumed = retrofit(options(model_dir, tmp_path / "moved", lr_schedule=schedule,
                                cache_ratio=ratio, average_steps=average), FP32, resume=True,
                        progress=False)
     assert resumed.step == 6

@@ -58,8 +58,8 @@ from .retrofit_data import TrainData
 STATE_FILE = "retrofit_state.pt"  # the step, z' of every layer, the optimiser
 SETTINGS_FILE = "retrofit_settings.json"  # the RetrofitConfig of the run
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # RetrofitConfig.optimizer
-RESUMABLE = ("steps", "micro_batch", "reallocate", "reallocate_batches",
-             "reallocate_guard")  # may differ on resume
+RESUMABLE = ("out", "steps", "micro_batch", "reallocate", "reallocate_batches",
+             "reallocate_guard")  # may differ on resume (out: the directory may have moved)
 BUDGET_GAIN = 20.0  # cache_ratio: 5% above the budget scales the penalty by e (follow)
 
 
