@@ -1,6 +1,6 @@
 """The package version (single source: pyproject reads it from here)."""
 
-__version__ = "0.18.0"
+__version__ = "0.19.0"
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

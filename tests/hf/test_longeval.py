@@ -41,12 +41,13 @@ def tiny_llama(folder: Path, spans: bool) -> Path:
                          num_hidden_layers=LAYERS, num_attention_heads=4,
                          num_key_value_heads=KV_HEADS, max_position_embeddings=POSITIONS)
     model = LlamaForCausalLM(config)
+    tokenizer = ByT5Tokenizer(extra_ids=0)
     if spans:
         add_spans(model, ramp=8, init=0.03)
-        save_model(model, folder)
+        save_model(model, folder, tokenizer)  # the tokenizer beside them: longeval reads it
     else:
         model.save_pretrained(folder)
-    ByT5Tokenizer(extra_ids=0).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
     return folder
 
 

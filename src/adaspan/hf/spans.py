@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -112,16 +113,19 @@ def save_spans(model: nn.Module, directory: str | Path) -> None:
     (directory / SETTINGS_FILE).write_text(json.dumps(settings, indent=1) + "\n")
 
 
-def save_model(model: nn.Module, directory: str | Path) -> None:
+def save_model(model: nn.Module, directory: str | Path, tokenizer: Any = None) -> None:
     """``model.save_pretrained(directory)`` without the spans, then the spans
     (:func:`save_spans`) and the file that has ``from_pretrained(directory,
-    trust_remote_code=True)`` attach them (``autoload.write_loader``)."""
+    trust_remote_code=True)`` attach them (``autoload.write_loader``); and, where given,
+    ``tokenizer.save_pretrained(directory)`` (``adaspan longeval`` reads it there)."""
     from .autoload import write_loader
 
     weights = {k: v for k, v in model.state_dict().items() if f".{NAME}." not in k}
     model.save_pretrained(directory, state_dict=weights)
     save_spans(model, directory)
     write_loader(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
 
 
 def load_spans(model: nn.Module, directory: str | Path) -> nn.Module:
