@@ -24,10 +24,12 @@ The default steps (8,000 in all) took 104 minutes on a 2-core AMD EPYC, and full
 scored at least 0.9 in every cell on both haystacks (``docs/retrieval-log.md``); two later runs
 (one on an Intel Xeon with AMX) gave one other model, with one KJV cell at 0.82.
 On a 2-core AMD EPYC with AVX2 and no AVX-512 the default steps took 121 minutes and gave a
-third model, its least cell 0.8 on both haystacks.
+third model, its least cell 0.8 on both haystacks. On a 2-core Intel Xeon with AVX-512 and no
+AMX they took 76 minutes and gave the AMX Xeon's model, every stage to the bit.
 Training is seeded: on one machine two runs give the same weights to the bit; on CPUs whose
 kernels round otherwise the runs part after about a hundred steps and end as different
-models, so ``evidence.json`` names the machine it ran on.
+models, so ``evidence.json`` names the machine it ran on (capping torch's and MKL's kernels
+at AVX2 on the Xeon does not give the AMD EPYC's model).
 
 Then full attention is scored on pass key and single needle at ``--eval-lengths`` × ``--depths``
 × ``--samples`` with the haystacks of each of ``--haystacks``: by default the test split of
