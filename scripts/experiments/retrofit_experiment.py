@@ -80,13 +80,14 @@ def run_one(args: argparse.Namespace, span_loss: float) -> dict:
                             steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                             span_loss=span_loss, loss=args.loss)
     cpu = torch.device("cpu")
-    run = retrofit(config, choose(args.dtype, cpu, "train"),
-                   resume=(out / STATE_FILE).is_file(), progress=False)
+    trained = choose(args.dtype, cpu, "train")
+    run = retrofit(config, trained, resume=(out / STATE_FILE).is_file(), progress=False)
     if args.train_only:
         return {"span_loss": span_loss, "steps": run.step}
     report = measure_retrofit(run, choose(args.dtype, cpu, "score"), args.eval_bytes,
                               args.decode_tokens, args.rounds,
-                              locked(args.lock) if args.lock else nullcontext())
+                              locked(args.lock) if args.lock else nullcontext(),
+                              trained=trained)
     write(out, report)
     return {"span_loss": span_loss, "steps": run.step, **summary(report)}
 

@@ -273,6 +273,11 @@ def test_cli_writes_the_report(model_dir, tmp_path, capsys):
     assert printed["cache"]["kv_bytes"] == written["cache"]["kv_bytes"]
     assert printed["steps"] == 2 and len(printed["spans"]) == LAYERS
     assert [record["step"] for record in written["history"]] == [2]  # the last step
+    cpu = torch.device("cpu")
+    assert written["training_precision"] == choose("auto", cpu, "train").record()
+    assert written["precision"] == choose("auto", cpu, "score").record()
+    trained = written["training_precision"]["dtype"]
+    assert f"trained in {trained}, scored in float32 on cpu" in (out / "retrofit.md").read_text()
     assert written["history"][0]["spans"] == written["spans"]
     row = "| 2 | " + " | ".join(f"{s:,.0f}" for layer in written["spans"] for s in layer) + " |"
     assert row in (out / "retrofit.md").read_text().splitlines()

@@ -179,8 +179,9 @@ def _retrofit_and_measure(config: RetrofitConfig, args: argparse.Namespace,
     from ..hf.report import measure_retrofit
     from ..hf.retrofit import retrofit
 
-    run = retrofit(config, choose(args.dtype, device, "train"), args.resume,
-                   progress=not args.no_progress, shard=args.shard)
+    trained = choose(args.dtype, device, "train")
+    run = retrofit(config, trained, args.resume, progress=not args.no_progress,
+                   shard=args.shard)
     if not run.method.report:  # duo: the gates, for the cache policy duo of adaspan longeval
         if dist.is_main:
             print(json_line({"method": config.method, "gates": str(args.out / GATES_FILE),
@@ -189,7 +190,7 @@ def _retrofit_and_measure(config: RetrofitConfig, args: argparse.Namespace,
     if not (dist.is_main or args.shard):
         return None
     report = measure_retrofit(run, choose(args.dtype, device, "score"), args.eval_bytes,
-                              args.decode_tokens)
+                              args.decode_tokens, trained=trained)
     return report if dist.is_main else None
 
 

@@ -124,9 +124,11 @@ def caches(run: Retrofit, prompt: Tensor, new_tokens: int, rounds: int) -> dict:
 
 def measure_retrofit(run: Retrofit, precision: Precision, eval_bytes: int = 65536,
                      new_tokens: int = 64, rounds: int = 3,
-                     timing: AbstractContextManager | None = None) -> dict:
-    """The report's numbers (see the module docstring); the decode timings run within
-    ``timing`` (a lock that keeps other benchmarks out, say)."""
+                     timing: AbstractContextManager | None = None,
+                     trained: Precision | None = None) -> dict:
+    """The report's numbers (see the module docstring), scored in ``precision``; the decode
+    timings run within ``timing`` (a lock that keeps other benchmarks out, say); ``trained``:
+    the precision the spans trained in, recorded where given."""
 
     ids, n_bytes = heldout(run.config.data, run.tokenizer, eval_bytes)
     ids = ids.to(precision.device)
@@ -141,7 +143,9 @@ def measure_retrofit(run: Retrofit, precision: Precision, eval_bytes: int = 6553
             "spans": [span.spans().tolist() for span in span_modules(run.model)],
             "history": run.history, "reallocation": run.reallocation,
             "heldout": quality_, "cache": cache,
-            "precision": precision.record(), "versions": versions()}
+            "precision": precision.record(),
+            "training_precision": None if trained is None else trained.record(),
+            "versions": versions()}
 
 
 def versions() -> dict[str, str]:
@@ -160,16 +164,24 @@ def markdown(report: dict) -> str:
              held["spans"]["perplexity"], ""),
             (f"key/value cache bytes at {cache['context']} tokens", kv["full"], kv["spans"],
              f"{kv['full'] / kv['spans']:.2f}x smaller"),
-            (f"decode tokens/s at {cache['context']} tokens", speed["full"], speed["spans"],
+            (f"eager decode tokens/s at {cache['context']} tokens", speed["full"], speed["spans"],
              f"{speed['spans'] / speed['full']:.2f}x")]
     lines = [f"# Retrofit of {report['model']} ({report['steps']} steps)", "",
              "Spans per head, min(S, z + R):", "", "```", span_table(report["spans"]), "```",
              "", "| | full attention | learned spans | |", "|---|---|---|---|"]
     lines += [f"| {name} | {_number(a)} | {_number(b)} | {note} |" for name, a, b, note in rows]
     lines += ["", f"Held-out: {held['bytes']} bytes, {held['tokens']} tokens scored; "
-              f"decode: {cache['new_tokens']} tokens, median of {cache['rounds']} rounds; "
-              f"{report['precision']['dtype']} on {report['precision']['device']}.", ""]
+              f"decode: {cache['new_tokens']} tokens, median of {cache['rounds']} rounds "
+              f"(DynamicCache, SpanCache); {_precisions(report)}.", ""]
     return "\n".join(lines + history_table(report["history"]))
+
+
+def _precisions(report: dict) -> str:
+    """Where the report was scored, and what the spans trained in where it says."""
+    scored = report["precision"]
+    text = f"scored in {scored['dtype']} on {scored['device']}"
+    trained = report.get("training_precision")  # older reports have none
+    return text if trained is None else f"trained in {trained['dtype']}, {text}"
 
 
 def history_table(history: list[dict]) -> list[str]:
