@@ -466,6 +466,52 @@ def test_answer_margins_script_against_reading_the_answer_token_by_token(plain_d
         script.main([str(plain_dir / "none"), "--haystack", "kjv"])
 
 
+def test_answer_margins_summaries_against_the_equations(plain_dir, spans_dir, capsys):
+    """A summary of the keys a span drops: ``all`` (the dropped keys' own softmax part) gives
+    full attention's margins back; ``mean`` is, for one query of one head, the softmax over
+    the span's weighed keys and one key more, the dropped keys' (1 - w)-weighed mean key with
+    log n added to its score, holding their mean value."""
+    script = load_script("answer_margins")
+    result = script.main([str(plain_dir), str(spans_dir), "--haystack", "kjv", "--tasks",
+                          "passkey", "--lengths", "300", "--depths", "0,1", "--samples", "1",
+                          "--summaries", "mean,all"])
+    capsys.readouterr()
+    plain, spans = str(plain_dir), str(spans_dir)
+    assert set(result["models"]) == {plain, spans, f"{spans}+mean", f"{spans}+all"}
+    for prompt in result["prompts"]:
+        margins = prompt["margins"]
+        assert margins[f"{spans}+all"] == pytest.approx(margins[plain], abs=1e-4)
+        assert margins[f"{spans}+mean"] != pytest.approx(margins[spans], abs=1e-4)
+    model, _ = le.load_model_dir(spans_dir, torch.device("cpu"))
+    module = model.model.layers[0].self_attn
+    span = module.adaptive_span
+    span.sinks = 2
+    torch.manual_seed(1)
+    T, d = 80, 8
+    q = torch.randn(1, 4, T, d)
+    k, v = torch.randn(1, KV_HEADS, T, d), torch.randn(1, KV_HEADS, T, d)
+    out, _ = script.summary_attention("mean")(module, q, k, v, None, scaling=0.5)
+    head, i, h_kv = 3, T - 1, 1  # query head 3 reads key/value head 1
+    z = span.host_z()[head]
+    weights, scores = [], []
+    for j in range(i + 1):
+        x = i - j
+        w = 1.0 if j < 2 else max(0.0, min(1.0, (span.ramp + z - x) / span.ramp))
+        weights.append(w)
+        scores.append(0.5 * float(q[0, head, i] @ k[0, h_kv, j]))
+    dropped = torch.tensor([1 - w for w in weights])
+    n = float(dropped.sum())
+    mean_k, mean_v = dropped @ k[0, h_kv, : i + 1] / n, dropped @ v[0, h_kv, : i + 1] / n
+    kept = [j for j, w in enumerate(weights) if w > 0]
+    logits = [scores[j] + math.log(weights[j]) for j in kept]
+    logits.append(0.5 * float(q[0, head, i] @ mean_k) + math.log(n))
+    p = torch.softmax(torch.tensor(logits), 0)
+    expected = p[:-1] @ v[0, h_kv, kept] + p[-1] * mean_v
+    assert out[0, i, head] == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(SystemExit, match=r"^error: unknown summaries sum;"):
+        script.main([plain, "--haystack", "kjv", "--summaries", "sum"])
+
+
 @pytest.mark.parametrize("spec", ["full", "streaming:window=16,sinks=2", "spans"])
 def test_policy_quality_is_the_loss_of_decoding_token_by_token(plain_dir, spans_dir, spec):
     """The held-out loss of a text read through a policy equals its loss when each token is
