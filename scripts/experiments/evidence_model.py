@@ -22,8 +22,8 @@ schedule each):
 
 The default steps (8,000 in all) took 104 minutes on a 2-core AMD EPYC, and full attention
 scored at least 0.9 in every cell on both haystacks (``docs/retrieval-log.md``); run there again
-(2026-12-07) they gave that model to the bit. Two later runs
-(one on an Intel Xeon with AMX) gave one other model, with one KJV cell at 0.82.
+(2026-12-07) they gave that model to the bit. Two later runs (one on an Intel Xeon with AMX)
+gave one other model, with one KJV cell at 0.82.
 On a 2-core AMD EPYC with AVX2 and no AVX-512 the default steps took 121 minutes and gave a
 third model, its least cell 0.8 on both haystacks. On a 2-core Intel Xeon with AVX-512 and no
 AMX they took 76 minutes and gave the AMX Xeon's model, every stage to the bit.
